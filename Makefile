@@ -1,0 +1,26 @@
+# Two commands from a fresh clone: `make demo` (the main job) and `make test` (the whole suite).
+# Both create .venv on first use. torch is pinned to the CPU wheel that lies on this machine's disk
+# *before* the project is installed, so the project's `torch>=2.4` range is already satisfied.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_WHEEL ?= torch==2.13.0
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH_WHEEL)"
+	$(BIN)/pip install --quiet -e ".[train,dev]"
+	touch $@
+
+.PHONY: install demo test lint
+install: $(BIN)/.installed
+
+demo: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m capt.quickstart $(ARGS)
+
+test: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(ARGS)
+
+lint: install
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -1,0 +1,142 @@
+"""`CaptConfig`: everything that defines a CaPT adapter, saved as `adapter_config.json`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+PEFT_TYPE = "CAPT"
+
+VARIANTS = ("add", "prepend", "extract", "project")
+INITS = ("zeros", "normal")
+TARGETS = ("auto", "encoder", "decoder", "both")
+
+
+@dataclass
+class CaptConfig:
+    """Configuration of a Capsule Prompt-Tuning adapter.
+
+    Layer count and hidden size are read from the model when the adapter is attached, so the default
+    config fits any supported backbone.
+
+    Example:
+        >>> import capt
+        >>> cfg = capt.CaptConfig(variant="add", init="zeros")
+        >>> cfg.num_slots, cfg.instance_aware
+        (1, True)
+        >>> deep_prompt = capt.CaptConfig(num_slots=10, instance_aware=False)  # Deep Prompt-Tuning
+    """
+
+    variant: str = field(
+        default="add",
+        metadata={
+            "help": "How the instance summary enters the capsule: 'add' (S = p + Mean, the paper's default), "
+            "'prepend' (p and Mean as two separate slots), 'extract' (summary = masked mean of a depthwise "
+            "1-D convolution over the hidden states), 'project' (summary = low-rank d->r->d projection of Mean)."
+        },
+    )
+    init: str = field(
+        default="zeros",
+        metadata={
+            "help": "Initial capsule vectors: 'zeros' makes the untrained capsule exactly the training-free "
+            "instance token (paper Finding II); 'normal' draws from N(0, init_std^2)."
+        },
+    )
+    init_std: float = field(default=0.02, metadata={"help": "Standard deviation for init='normal'."})
+    target: str = field(
+        default="auto",
+        metadata={
+            "help": "Which layer stack gets capsules: 'auto' = encoder for encoder and encoder-decoder models, "
+            "decoder for decoder-only models; 'both' only applies to encoder-decoder models."
+        },
+    )
+    num_slots: int = field(
+        default=1,
+        metadata={"help": "Learned slots per layer. num_slots=m with instance_aware=False is Deep Prompt-Tuning."},
+    )
+    instance_aware: bool = field(
+        default=True,
+        metadata={"help": "Add the instance summary (mean of the instance's representations) to the slots."},
+    )
+    rank: int = field(default=8, metadata={"help": "Rank r of the d->r->d projection for variant='project'."})
+    kernel_size: int = field(default=3, metadata={"help": "Convolution width for variant='extract' (odd)."})
+    share_instance_module: bool = field(
+        default=True,
+        metadata={
+            "help": "For 'extract'/'project': one convolution/projection shared by all capsule layers (True) "
+            "or one per layer (False)."
+        },
+    )
+    layers_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "Dotted path to the nn.ModuleList of transformer layers (e.g. 'model.layers'), for models "
+            "whose layers are not found automatically. Applies to a single stack."
+        },
+    )
+    modules_to_save: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Names of base submodules trained and saved with the capsules (e.g. ['classifier']). "
+            "None: the freshly initialised task head of a classification model ('classifier' or 'score')."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        _check_choice("variant", self.variant, VARIANTS)
+        _check_choice("init", self.init, INITS)
+        _check_choice("target", self.target, TARGETS)
+        for name in ("num_slots", "rank", "kernel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"CaptConfig.{name} must be a positive integer, got {value!r}")
+        if self.kernel_size % 2 == 0:
+            raise ValueError(f"CaptConfig.kernel_size must be odd (keeps the sequence length), got {self.kernel_size}")
+        if self.init_std <= 0:
+            raise ValueError(f"CaptConfig.init_std must be > 0, got {self.init_std}")
+        if not self.instance_aware and self.variant != "add":
+            raise ValueError(
+                f"CaptConfig.variant={self.variant!r} needs instance_aware=True; "
+                "without the instance summary only 'add' (Deep Prompt-Tuning) is meaningful"
+            )
+        if self.modules_to_save is not None:
+            self.modules_to_save = list(self.modules_to_save)
+
+    @property
+    def slots_per_layer(self) -> int:
+        """Positions the capsule occupies at the front of the sequence."""
+        return self.num_slots + (1 if self.variant == "prepend" else 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"peft_type": PEFT_TYPE, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> CaptConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known - {"peft_type", "base_model"})
+        if unknown:
+            raise ValueError(f"{source}: unknown CaptConfig fields {unknown}")
+        if data.get("peft_type", PEFT_TYPE) != PEFT_TYPE:
+            raise ValueError(f"{source}: peft_type is {data['peft_type']!r}, expected {PEFT_TYPE!r}")
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> CaptConfig:
+        """Read `adapter_config.json` from an adapter folder."""
+        config_file = Path(path) / CONFIG_NAME
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no {CONFIG_NAME} in {path}: not a CaPT adapter folder")
+        try:
+            data = json.loads(config_file.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{config_file} is not valid JSON: {err}") from err
+        return cls.from_dict(data, source=str(config_file))
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"CaptConfig.{name} must be one of {list(choices)}, got {value!r}")
