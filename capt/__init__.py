@@ -1,7 +1,7 @@
 """Capsule Prompt-Tuning (CaPT) for frozen Hugging Face transformers.
 
-    import capt
-    model = capt.get_capt_model(base, capt.CaptConfig())
+import capt
+model = capt.get_capt_model(base, capt.CaptConfig())
 """
 
 from .config import CaptConfig

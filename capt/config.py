@@ -10,6 +10,8 @@ from typing import Any
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PEFT_TYPE = "CAPT"
+# Keys of adapter_config.json that describe the saved adapter rather than configure it.
+METADATA_KEYS = ("peft_type", "base_model", "base_model_name_or_path")
 
 VARIANTS = ("add", "prepend", "extract", "project")
 INITS = ("zeros", "normal")
@@ -117,7 +119,7 @@ class CaptConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> CaptConfig:
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known - {"peft_type", "base_model"})
+        unknown = sorted(set(data) - known - set(METADATA_KEYS))
         if unknown:
             raise ValueError(f"{source}: unknown CaptConfig fields {unknown}")
         if data.get("peft_type", PEFT_TYPE) != PEFT_TYPE:

@@ -36,7 +36,9 @@ def model_family(model: PreTrainedModel) -> str:
     if getattr(config, "is_encoder_decoder", False):
         return "encoder-decoder"
     model_type = getattr(config, "model_type", None)
-    causal_only = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    causal_only = (
+        model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    )
     if causal_only or getattr(config, "is_decoder", False):
         return "decoder"
     return "encoder"

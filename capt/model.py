@@ -47,11 +47,23 @@ HEAD_MODEL_SUFFIXES = ("ForSequenceClassification", "ForMultipleChoice", "ForTok
 
 # Where each capsule stream's slot rows show in an output, and which sequence axes the field carries.
 _STREAM_FIELDS = {
-    "own": {"last_hidden_state": "hidden", "hidden_states": "hidden", "attentions": "square",
-            "cross_attentions": "queries"},
-    "encoder-memory": {"encoder_last_hidden_state": "hidden", "encoder_hidden_states": "hidden",
-                       "encoder_attentions": "square", "cross_attentions": "keys"},
-    "decoder": {"decoder_hidden_states": "hidden", "decoder_attentions": "square", "cross_attentions": "queries"},
+    "own": {
+        "last_hidden_state": "hidden",
+        "hidden_states": "hidden",
+        "attentions": "square",
+        "cross_attentions": "queries",
+    },
+    "encoder-memory": {
+        "encoder_last_hidden_state": "hidden",
+        "encoder_hidden_states": "hidden",
+        "encoder_attentions": "square",
+        "cross_attentions": "keys",
+    },
+    "decoder": {
+        "decoder_hidden_states": "hidden",
+        "decoder_attentions": "square",
+        "cross_attentions": "queries",
+    },
 }
 
 
@@ -103,8 +115,9 @@ class CaptModel(nn.Module):
         self._states: dict[str, _PassState] = {}
         self._hooks = []
         for site in self._sites:
-            self._hooks.append(site.stack.register_forward_pre_hook(partial(self._before_stack, site),
-                                                                    with_kwargs=True))
+            self._hooks.append(
+                site.stack.register_forward_pre_hook(partial(self._before_stack, site), with_kwargs=True)
+            )
             self._hooks.append(site.stack.register_forward_hook(partial(self._after_stack, site)))
             for position, layer in enumerate(site.layers):
                 hook = partial(self._before_layer, site, position)
@@ -132,8 +145,14 @@ class CaptModel(nn.Module):
         trainable, total = self.get_nb_trainable_parameters()
         print(f"trainable params: {trainable:,} || all params: {total:,} || trainable%: {100 * trainable / total:.4f}")
 
-    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, instance_mask: torch.Tensor | None = None, **kwargs: Any):
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        instance_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ):
         """Run the base model with capsules. Same arguments and output class as the base model's forward.
 
         `instance_mask` (same shape as `input_ids`, 1 = instance token) overrides which tokens enter the
@@ -159,8 +178,13 @@ class CaptModel(nn.Module):
         return output
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                 instance_mask: torch.Tensor | None = None, **kwargs: Any):
+    def generate(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        instance_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ):
         """`base.generate` with capsules computed once from the prompt (prefill); same output format.
 
         Decoder-only prompts must be left-padded, as for the base model.
@@ -168,6 +192,10 @@ class CaptModel(nn.Module):
         inputs = _drop_none(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         if not self._enabled:
             return self.base_model.generate(**inputs)
+        if input_ids is not None and attention_mask is None:
+            # generate() would infer the mask from pad tokens and could mistake the slot for one.
+            pad = inputs.get("pad_token_id", self.base_model.generation_config.pad_token_id)
+            inputs["attention_mask"] = (input_ids != pad).long() if pad is not None else torch.ones_like(input_ids)
         n = self.num_slots
         roles = {site.role for site in self._sites}
         if self.family == "encoder-decoder" and "decoder" in roles and "decoder_input_ids" not in inputs:
@@ -227,8 +255,9 @@ class CaptModel(nn.Module):
             raise ValueError(f"{source} does not fit this adapter: missing {missing}, unexpected {unexpected}")
         for key, tensor in state.items():
             if tuple(tensor.shape) != tuple(expected[key].shape):
-                raise ValueError(f"{source}: {key} has shape {tuple(tensor.shape)}, "
-                                 f"this model needs {tuple(expected[key].shape)}")
+                raise ValueError(
+                    f"{source}: {key} has shape {tuple(tensor.shape)}, this model needs {tuple(expected[key].shape)}"
+                )
         with torch.no_grad():
             for key, tensor in state.items():
                 expected[key].copy_(tensor)
@@ -246,24 +275,33 @@ class CaptModel(nn.Module):
         """Write `adapter_config.json` and `adapter_model.safetensors` (each replaced atomically)."""
         directory = Path(save_directory)
         directory.mkdir(parents=True, exist_ok=True)
-        config = {**self.capt_config.to_dict(), "base_model": self.base_model_fingerprint(),
-                  "base_model_name_or_path": getattr(self.base_model.config, "_name_or_path", None)}
+        config = {
+            **self.capt_config.to_dict(),
+            "base_model": self.base_model_fingerprint(),
+            "base_model_name_or_path": getattr(self.base_model.config, "_name_or_path", None),
+        }
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.adapter_state_dict().items()}
         _atomic_write(directory / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
-        _atomic_write(directory / CONFIG_NAME,
-                      lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n"))
+        _atomic_write(
+            directory / CONFIG_NAME,
+            lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n"),
+        )
 
     @classmethod
-    def from_pretrained(cls, base_model: PreTrainedModel, path: str | os.PathLike,
-                        is_trainable: bool = False) -> CaptModel:
+    def from_pretrained(
+        cls, base_model: PreTrainedModel, path: str | os.PathLike, is_trainable: bool = False
+    ) -> CaptModel:
         """Attach a saved adapter to `base_model`; raises ValueError if the adapter was made for another model."""
         directory = Path(path)
         config = CaptConfig.from_pretrained(directory)
         saved = json.loads((directory / CONFIG_NAME).read_text()).get("base_model", {})
         model = cls(base_model, config)
         try:
-            differences = [f"{key}: adapter has {value!r}, model has {model.base_model_fingerprint().get(key)!r}"
-                           for key, value in saved.items() if model.base_model_fingerprint().get(key) != value]
+            differences = [
+                f"{key}: adapter has {value!r}, model has {model.base_model_fingerprint().get(key)!r}"
+                for key, value in saved.items()
+                if model.base_model_fingerprint().get(key) != value
+            ]
             if differences:
                 raise ValueError(f"adapter {directory} was made for another model: " + "; ".join(differences))
             model.load_adapter_state_dict(_read_weights(directory), source=str(directory / WEIGHTS_NAME))
@@ -312,7 +350,8 @@ class CaptModel(nn.Module):
         if self._role_for("decoder_input_ids") is not None:
             if "decoder_input_ids" not in inputs and "decoder_inputs_embeds" not in inputs:
                 inputs["decoder_input_ids"] = self.base_model.prepare_decoder_input_ids_from_labels(
-                    labels=inputs["labels"])
+                    labels=inputs["labels"]
+                )
             # Every decoder token is a target or generated: none is an instance token.
             mask = torch.zeros_like(self._stream_instance_mask(inputs, "decoder_", None))
             self._instance_masks["decoder"] = _prepend(mask, self.num_slots, False)
@@ -330,8 +369,7 @@ class CaptModel(nn.Module):
         mask = torch.ones(shape, dtype=torch.bool, device=device) if mask is None else mask.bool()
         if override is not None:
             if override.shape != mask.shape:
-                raise ValueError(f"instance_mask has shape {tuple(override.shape)}, "
-                                 f"the input has {tuple(mask.shape)}")
+                raise ValueError(f"instance_mask has shape {tuple(override.shape)}, the input has {tuple(mask.shape)}")
             mask = mask & override.bool()
         return mask
 
@@ -344,8 +382,9 @@ class CaptModel(nn.Module):
             try:
                 original = self.base_model.get_submodule(name)
             except AttributeError as err:
-                raise ValueError(f"CaptConfig.modules_to_save names {name!r}, which "
-                                 f"{type(self.base_model).__name__} does not have") from err
+                raise ValueError(
+                    f"CaptConfig.modules_to_save names {name!r}, which {type(self.base_model).__name__} does not have"
+                ) from err
             trained = copy.deepcopy(original).requires_grad_(True)
             _set_submodule(self.base_model, name, trained)
             self.original_modules[_undotted(name)] = original
@@ -363,10 +402,13 @@ class CaptModel(nn.Module):
         if not (self._enabled and mask is not None and _cache_is_empty(_cache_of(kwargs))):
             self._states[site.role] = _PassState(active=False)
             return
-        batch = _batch_size(args, kwargs)
+        batch, length = _batch_and_length(args, kwargs)
         mask = mask.reshape(-1, mask.shape[-1])  # multiple-choice inputs arrive flattened
-        if batch is not None and batch != mask.shape[0]:
+        if batch != mask.shape[0]:
             mask = mask.repeat_interleave(batch // mask.shape[0], dim=0)  # beams / num_return_sequences
+        if length > mask.shape[1]:
+            # Uncached generation re-reads tokens generated after the prompt: never instance tokens.
+            mask = torch.nn.functional.pad(mask, (0, length - mask.shape[1]), value=False)
         n = self.num_slots
         first = mask.float()
         rest = first.clone()
@@ -384,10 +426,12 @@ class CaptModel(nn.Module):
         hidden = args[0] if args else kwargs["hidden_states"]
         weights = state.first_weights if position == 0 else state.rest_weights
         if weights.shape != hidden.shape[:2]:
-            raise RuntimeError(f"CaPT: layer input has shape {tuple(hidden.shape[:2])} but the instance mask "
-                               f"has {tuple(weights.shape)}; call the model through CaptModel.forward/generate")
+            raise RuntimeError(
+                f"CaPT: layer input has shape {tuple(hidden.shape[:2])} but the instance mask "
+                f"has {tuple(weights.shape)}; call the model through CaptModel.forward/generate"
+            )
         slots = self.capsules.slots(site.first_index + position, hidden, weights)
-        hidden = torch.cat([slots, hidden[:, self.num_slots:]], dim=1)
+        hidden = torch.cat([slots, hidden[:, self.num_slots :]], dim=1)
         if args:
             return (hidden, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": hidden}
@@ -433,11 +477,17 @@ def _cache_is_empty(cache: Any) -> bool:
     return len(cache) == 0  # legacy tuple caches
 
 
-def _batch_size(args: tuple, kwargs: dict) -> int | None:
-    for value in (*args, kwargs.get("hidden_states"), kwargs.get("input_ids"), kwargs.get("inputs_embeds")):
-        if isinstance(value, torch.Tensor):
-            return value.shape[0]
-    return None
+def _batch_and_length(args: tuple, kwargs: dict) -> tuple[int, int]:
+    """Batch size and sequence length of the input a layer stack was called with."""
+    for key in ("input_ids", "inputs_embeds", "hidden_states"):
+        if isinstance(kwargs.get(key), torch.Tensor):
+            value = kwargs[key]
+            return (
+                (value.shape[0], value.shape[1]) if key != "input_ids" else (value.reshape(-1, value.shape[-1]).shape)
+            )
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0].shape[0], args[0].shape[1]
+    raise RuntimeError("CaPT: cannot find the input of the layer stack (input_ids, inputs_embeds or hidden_states)")
 
 
 def _prepend(tensor: torch.Tensor, n: int, value: Any) -> torch.Tensor:

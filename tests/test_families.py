@@ -7,8 +7,16 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM, T5Config, T5
 
 import capt
 
-EXPECTED_CAPSULE_LAYERS = {"bert": 3, "bert-cls": 3, "roberta-cls": 2, "t5": 2, "gpt2": 2, "llama": 3, "qwen2": 2,
-                           "minilm-cls": 6}
+EXPECTED_CAPSULE_LAYERS = {
+    "bert": 3,
+    "bert-cls": 3,
+    "roberta-cls": 2,
+    "t5": 2,
+    "gpt2": 2,
+    "llama": 3,
+    "qwen2": 2,
+    "minilm-cls": 6,
+}
 
 
 @pytest.mark.parametrize("name", list(BUILDERS))
@@ -98,16 +106,30 @@ def _paper_count(config, cls):
 def test_paper_parameter_counts_from_configs_on_the_meta_device():
     t5_base = T5Config(d_model=768, d_ff=3072, num_layers=12, num_heads=12, d_kv=64, vocab_size=32128)
     t5_large = T5Config(d_model=1024, d_ff=4096, num_layers=24, num_heads=16, d_kv=64, vocab_size=32128)
-    llama_1b = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                           num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True)
+    llama_1b = LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+    )
     assert _paper_count(t5_base, T5ForConditionalGeneration) == (9216, 0.0041)
     assert _paper_count(t5_large, T5ForConditionalGeneration) == (24576, 0.0033)
     assert _paper_count(llama_1b, LlamaForCausalLM) == (32768, 0.0027)
 
 
 def test_qwen_like_config_counts_from_auto_config():
-    config = AutoConfig.for_model("qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+    config = AutoConfig.for_model(
+        "qwen2",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+    )
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):

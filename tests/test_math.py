@@ -57,8 +57,12 @@ def test_llama_matches_a_layer_by_layer_reference():
         causal = torch.full((length, length), float("-inf")).triu(1)[None, None]
         for i, layer in enumerate(base.model.layers):
             capsule = _reference_capsule(model.capsule_vectors[i], hidden, slot_instance, first=i == 0)
-            hidden = layer(torch.cat([capsule[:, None], hidden[:, 1:]], dim=1), attention_mask=causal,
-                           position_embeddings=rope, position_ids=positions)
+            hidden = layer(
+                torch.cat([capsule[:, None], hidden[:, 1:]], dim=1),
+                attention_mask=causal,
+                position_embeddings=rope,
+                position_ids=positions,
+            )
         expected = base.lm_head(base.model.norm(hidden)[:, 1:])
     assert torch.allclose(got, expected, atol=1e-5)
 
@@ -68,8 +72,9 @@ def test_zero_capsules_are_the_training_free_instance_token():
     model = capt.get_capt_model(build("llama"))
     ids = torch.tensor([[5, 6, 7, 8]])
     written = []
-    handle = model.base_model.model.layers[0].register_forward_pre_hook(lambda m, a, k: written.append(
-        (a[0] if a else k["hidden_states"])[:, 0].clone()), with_kwargs=True)
+    handle = model.base_model.model.layers[0].register_forward_pre_hook(
+        lambda m, a, k: written.append((a[0] if a else k["hidden_states"])[:, 0].clone()), with_kwargs=True
+    )
     with torch.no_grad():
         model(input_ids=ids)
     handle.remove()
@@ -84,13 +89,19 @@ def test_causal_lm_targets_never_reach_earlier_positions():
     labels = torch.tensor([[-100, -100, -100, -100, 30, 31]])
     with torch.no_grad():
         first = model(input_ids=torch.cat([prompt, torch.tensor([[30, 31]])], 1), labels=labels).logits
-        changed = model(input_ids=torch.cat([prompt, torch.tensor([[60, 61]])], 1),
-                        labels=labels.clone().masked_scatter(labels != -100, torch.tensor([60, 61]))).logits
+        changed = model(
+            input_ids=torch.cat([prompt, torch.tensor([[60, 61]])], 1),
+            labels=labels.clone().masked_scatter(labels != -100, torch.tensor([60, 61])),
+        ).logits
         # Had the targets entered the mean (as an all-token instance mask does), the prompt logits would move.
-        leaky_a = model(input_ids=torch.cat([prompt, torch.tensor([[30, 31]])], 1),
-                        instance_mask=torch.ones(1, 6, dtype=torch.long)).logits
-        leaky_b = model(input_ids=torch.cat([prompt, torch.tensor([[60, 61]])], 1),
-                        instance_mask=torch.ones(1, 6, dtype=torch.long)).logits
+        leaky_a = model(
+            input_ids=torch.cat([prompt, torch.tensor([[30, 31]])], 1),
+            instance_mask=torch.ones(1, 6, dtype=torch.long),
+        ).logits
+        leaky_b = model(
+            input_ids=torch.cat([prompt, torch.tensor([[60, 61]])], 1),
+            instance_mask=torch.ones(1, 6, dtype=torch.long),
+        ).logits
     assert torch.allclose(first[:, :4], changed[:, :4], atol=1e-6)
     assert not torch.allclose(leaky_a[:, :4], leaky_b[:, :4], atol=1e-4)
 
