@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_MASKED_LM_MAPPING_NAMES,
@@ -32,7 +32,11 @@ class CapsuleSite:
 
 def model_family(model: PreTrainedModel) -> str:
     """'encoder', 'encoder-decoder' or 'decoder' (decoder-only, causal)."""
-    config = model.config
+    return config_family(model.config)
+
+
+def config_family(config: PretrainedConfig) -> str:
+    """The family of a model from its config alone (before any weights are loaded)."""
     if getattr(config, "is_encoder_decoder", False):
         return "encoder-decoder"
     model_type = getattr(config, "model_type", None)

@@ -1,0 +1,190 @@
+"""The `capt` command: train, eval and compare on SuperGLUE.
+
+    capt train --task rte --method capt --epochs 3
+    capt train --config configs/minilm.yaml --task cb --seeds 3
+    capt eval --adapter runs/rte-capt --task rte
+    capt compare --tasks cb,copa,rte,wic --methods capt,deep-prompt,prompt,lora --seeds 3
+
+Settings come from RunConfig's defaults, then the YAML file given by --config, then the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .train import RESULTS_NAME, RunConfig
+
+COMPARISON_NAME = "comparison"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # weight-loading reports would drown the progress output
+    try:
+        return args.handler(args)
+    except (ValueError, FileNotFoundError, FileExistsError, OSError) as err:
+        print(f"capt {args.command}: error: {err}", file=sys.stderr)
+        return 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="capt", description="Capsule Prompt-Tuning on SuperGLUE")
+    commands = parser.add_subparsers(dest="command")
+
+    train = commands.add_parser("train", help="train one task with one method (one or more seeds)")
+    _add_run_flags(train)
+    train.set_defaults(handler=_train)
+
+    evaluate = commands.add_parser("eval", help="score a finished run on a task's test split (official val)")
+    evaluate.add_argument("--adapter", required=True, help="a run folder written by `capt train`")
+    evaluate.add_argument("--task", help="default: the run's task")
+    evaluate.add_argument("--data-dir", help="SuperGLUE folder (default: the run's, or CAPT_DATA_DIR)")
+    evaluate.add_argument("--split", choices=("test", "validation"), default="test")
+    evaluate.set_defaults(handler=_eval)
+
+    compare = commands.add_parser("compare", help="several methods on several tasks -> one results table")
+    compare.add_argument("--tasks", required=True, help="comma-separated, e.g. cb,copa,rte,wic")
+    compare.add_argument("--methods", required=True, help="comma-separated, e.g. capt,deep-prompt,prompt,lora")
+    _add_run_flags(compare, exclude=("task", "method"))
+    compare.set_defaults(handler=_compare)
+    return parser
+
+
+def _add_run_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """One flag per RunConfig field (defaults None: only flags the user gave override the YAML file)."""
+    parser.add_argument("--config", help="YAML file of RunConfig settings (see configs/)")
+    parser.add_argument("--seeds", type=int, default=1, help="train seeds seed..seed+N-1; report mean and std")
+    parser.add_argument("--overwrite", action="store_true", help="replace results already in --output-dir")
+    for spec in dataclasses.fields(RunConfig):
+        if spec.name in exclude:
+            continue
+        flag = "--" + spec.name.replace("_", "-")
+        kind = _field_type(spec)
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            parser.add_argument(flag, type=kind, default=None)
+
+
+def _field_type(spec: dataclasses.Field) -> type:
+    annotation = str(spec.type)
+    for name, kind in (("bool", bool), ("int", int), ("float", float)):
+        if annotation.startswith(name):
+            return kind
+    return str
+
+
+def run_config(args: argparse.Namespace, **fixed: Any) -> RunConfig:
+    """RunConfig from defaults < YAML (--config) < flags < `fixed`."""
+    settings: dict[str, Any] = {}
+    if args.config:
+        loaded = yaml.safe_load(Path(args.config).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{args.config}: expected a mapping of settings, got {type(loaded).__name__}")
+        unknown = sorted(set(loaded) - {f.name for f in dataclasses.fields(RunConfig)})
+        if unknown:
+            raise ValueError(f"{args.config}: unknown settings {unknown}")
+        settings.update(loaded)
+    settings.update(
+        {
+            f.name: getattr(args, f.name)
+            for f in dataclasses.fields(RunConfig)
+            if getattr(args, f.name, None) is not None
+        }
+    )
+    settings.update(fixed)
+    return RunConfig(**settings)
+
+
+def train_seeds(config: RunConfig, seeds: int, overwrite: bool) -> dict[str, Any]:
+    """Train `seeds` seeds (one writes into output_dir, several into output_dir/seed-<n>); output_dir/results.json
+    gets the summary over seeds (mean and std of every test metric, the per-seed results under "runs")."""
+    from .reporting import aggregate_seeds
+    from .train import train
+
+    out = Path(config.output_dir)
+    if (out / RESULTS_NAME).exists() and not overwrite:
+        raise FileExistsError(f"{out} already holds {RESULTS_NAME}; pass --overwrite to replace it")
+    if seeds == 1:
+        runs = [train(config)]
+    else:
+        runs = [
+            train(dataclasses.replace(config, seed=config.seed + k, output_dir=str(out / f"seed-{config.seed + k}")))
+            for k in range(seeds)
+        ]
+    summary = aggregate_seeds(runs)
+    (out / RESULTS_NAME).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _train(args: argparse.Namespace) -> int:
+    config = run_config(args)
+    summary = train_seeds(config, args.seeds, args.overwrite)
+    _print_summary(summary)
+    return 0
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    metrics = ", ".join(f"{k} {100 * v['mean']:.2f} ± {100 * v['std']:.2f}" for k, v in summary["test"].items())
+    print(
+        f"{summary['task']} / {summary['method']} on {summary['model']} (seeds {summary['seeds']}): test {metrics}; "
+        f"trainable {summary['trainable_params']:,} ({summary['trainable_percent']:.4f}%); "
+        f"{summary['wall_time_s'] / 60:.1f} min"
+    )
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from .data import paper_splits
+    from .train import encode_cached, evaluate, load_run
+
+    config, model, fmt = load_run(args.adapter)
+    task = args.task or config.task
+    fmt = dataclasses.replace(fmt, task=task)
+    examples = paper_splits(task, args.data_dir or config.data_dir, seed=config.split_seed)[args.split]
+    scores = evaluate(model, fmt, encode_cached(fmt, examples, config), examples, config.eval_batch_size)
+    out = Path(args.adapter) / f"eval-{task}-{args.split}.json"
+    out.write_text(json.dumps({"task": task, "split": args.split, **scores}, indent=2) + "\n")
+    print(f"{task} {args.split}: " + ", ".join(f"{k} {100 * v:.2f}" for k, v in scores.items()) + f"  ({out})")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from .reporting import comparison_table
+
+    base = run_config(args, task="rte", method="capt")
+    root = Path(base.output_dir)
+    results = []
+    for task in args.tasks.split(","):
+        for method in args.methods.split(","):
+            config = dataclasses.replace(
+                run_config(args, task=task, method=method), output_dir=str(root / task / method)
+            )
+            done = Path(config.output_dir) / RESULTS_NAME
+            if done.exists() and not args.overwrite:  # a comparison resumes where it stopped
+                results.append(json.loads(done.read_text()))
+                continue
+            results.append(train_seeds(config, args.seeds, overwrite=True))
+    table = comparison_table(results)
+    (root / f"{COMPARISON_NAME}.md").write_text(table)
+    (root / f"{COMPARISON_NAME}.json").write_text(
+        json.dumps([{k: v for k, v in r.items() if k != "runs"} for r in results], indent=2) + "\n"
+    )
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

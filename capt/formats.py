@@ -1,0 +1,207 @@
+"""How each backbone family reads a SuperGLUE example, learns from it, and predicts it.
+
+Every task is scored as a choice among options whose index is the label id:
+
+- encoder classifiers (BERT, RoBERTa, MiniLM): a sentence pair into a classification head with one output per
+  label; choice tasks (COPA, ReCoRD) as multiple choice: one pair per option, a one-output head scores each
+  pair, and the options of an example compete in a softmax.
+- T5: text-to-text; training maximises the gold label word, prediction compares the label words' likelihoods
+  (or, with `t5_generate`, greedy-decodes and matches the text).
+- decoder-only LMs: a prompt and one continuation per option; training maximises the gold continuation,
+  prediction compares the continuations' log-likelihoods. Continuations carry labels, so the capsule mean of
+  CaPT covers the prompt only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from .data import Example, is_choice_task
+from .data import templates as tpl
+
+Features = dict[str, Any]
+
+
+@dataclass
+class TaskFormat:
+    """Base: tokenisation limits and the label-id convention shared by all families."""
+
+    task: str
+    tokenizer: PreTrainedTokenizerBase
+    max_length: int
+
+    def encode(self, example: Example) -> Features:
+        raise NotImplementedError
+
+    def loss(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def predict(self, model: nn.Module, batch: dict[str, Any]) -> list[int]:
+        raise NotImplementedError
+
+    def collate(self, features: list[Features]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @staticmethod
+    def length(features: Features) -> int:
+        """Tokens in an encoded example, for length-grouped batching."""
+        return features["length"]
+
+    def _pad(self, rows: list[list[int]], value: int) -> torch.Tensor:
+        width = max(len(r) for r in rows)
+        return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
+@dataclass
+class EncoderFormat(TaskFormat):
+    """Sentence-pair classification, or multiple choice over pairs for COPA/ReCoRD."""
+
+    def encode(self, example: Example) -> Features:
+        pairs = tpl.encoder_choices(example) if is_choice_task(self.task) else [tpl.encoder_text(example)]
+        encoded = [
+            self.tokenizer(text, pair, truncation="longest_first", max_length=self.max_length) for text, pair in pairs
+        ]
+        rows = [dict(e) for e in encoded]
+        return {"rows": rows, "label": example.label, "length": max(len(r["input_ids"]) for r in rows)}
+
+    def collate(self, features: list[Features]) -> dict[str, Any]:
+        rows = [row for f in features for row in f["rows"]]
+        batch = {"input_ids": self._pad([r["input_ids"] for r in rows], self.tokenizer.pad_token_id)}
+        batch["attention_mask"] = self._pad([[1] * len(r["input_ids"]) for r in rows], 0)
+        if "token_type_ids" in rows[0]:
+            batch["token_type_ids"] = self._pad([r["token_type_ids"] for r in rows], 0)
+        return {
+            "model_inputs": batch,
+            "options": [len(f["rows"]) for f in features],
+            "labels": torch.tensor([f["label"] if f["label"] is not None else -100 for f in features]),
+        }
+
+    def _scores(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        logits = model(**batch["model_inputs"]).logits
+        if not is_choice_task(self.task):
+            return logits
+        return _per_example(logits.squeeze(-1), batch["options"])
+
+    def loss(self, model, batch):
+        return F.cross_entropy(self._scores(model, batch), batch["labels"])
+
+    def predict(self, model, batch):
+        return self._scores(model, batch).argmax(-1).tolist()
+
+
+@dataclass
+class OptionScoringFormat(TaskFormat):
+    """Shared by T5 and decoder LMs: one (source, target) row per option, scored by summed target log-prob."""
+
+    def _option_texts(self, example: Example) -> tuple[str, list[str]]:
+        raise NotImplementedError
+
+    def _rows(self, source: list[int], targets: list[list[int]]) -> list[dict[str, list[int]]]:
+        raise NotImplementedError
+
+    def encode(self, example: Example) -> Features:
+        source_text, option_texts = self._option_texts(example)
+        targets = [
+            self.tokenizer(text, add_special_tokens=self._special_in_targets)["input_ids"] for text in option_texts
+        ]
+        room = self.max_length - max(len(t) for t in targets) if self._shares_length else self.max_length
+        source = self.tokenizer(source_text, add_special_tokens=self._special_in_source)["input_ids"]
+        # Truncate from the left: the end of a prompt ("... Answer:") is what the options continue.
+        source = source[-room:] if self._shares_length else source[:room]
+        rows = self._rows(source, targets)
+        return {"rows": rows, "label": example.label, "length": max(len(r["input_ids"]) for r in rows)}
+
+    def _collate_rows(self, rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+        return {
+            "input_ids": self._pad([r["input_ids"] for r in rows], self.tokenizer.pad_token_id),
+            "attention_mask": self._pad([[1] * len(r["input_ids"]) for r in rows], 0),
+            "labels": self._pad([r["labels"] for r in rows], -100),
+        }
+
+    def collate(self, features: list[Features]) -> dict[str, Any]:
+        gold = [f["rows"][f["label"]] for f in features if f["label"] is not None]
+        everything = [row for f in features for row in f["rows"]]
+        return {
+            "train_inputs": self._collate_rows(gold) if gold else None,
+            "score_inputs": self._collate_rows(everything),
+            "options": [len(f["rows"]) for f in features],
+            "labels": torch.tensor([f["label"] if f["label"] is not None else -100 for f in features]),
+        }
+
+    def loss(self, model, batch):
+        return model(**batch["train_inputs"]).loss
+
+    def predict(self, model, batch):
+        inputs = batch["score_inputs"]
+        logits = model(**inputs).logits
+        logprobs = target_logprobs(logits, inputs["labels"], shifted=self._shifted)
+        return _per_example(logprobs, batch["options"]).argmax(-1).tolist()
+
+
+@dataclass
+class T5Format(OptionScoringFormat):
+    """Text-to-text: `rte hypothesis: ... premise: ...` -> `entailment` / `not_entailment`."""
+
+    _special_in_source = True
+    _special_in_targets = True
+    _shares_length = False  # source and target are separate sequences
+    _shifted = False  # decoder logits at position t predict label t
+
+    def _option_texts(self, example):
+        words = list(example.candidates) if is_choice_task(self.task) else tpl.t5_label_words(self.task)
+        return tpl.t5_input(example), words
+
+    def _rows(self, source, targets):
+        return [{"input_ids": source, "labels": target} for target in targets]
+
+
+@dataclass
+class CausalLMFormat(OptionScoringFormat):
+    """Prompt + continuation; labels are -100 on the prompt, so the capsule never sees the answer."""
+
+    _special_in_source = False
+    _special_in_targets = False
+    _shares_length = True
+    _shifted = True  # logits at position t predict token t + 1
+
+    def _option_texts(self, example):
+        prompt = tpl.lm_prompt(example)
+        bos = self.tokenizer.bos_token or ""
+        return bos + prompt, tpl.lm_choices(example)
+
+    def _rows(self, source, targets):
+        return [{"input_ids": source + target, "labels": [-100] * len(source) + target} for target in targets]
+
+
+FORMATS = {"encoder": EncoderFormat, "encoder-decoder": T5Format, "decoder": CausalLMFormat}
+
+
+def make_format(family: str, task: str, tokenizer: PreTrainedTokenizerBase, max_length: int) -> TaskFormat:
+    return FORMATS[family](task=task, tokenizer=tokenizer, max_length=max_length)
+
+
+def target_logprobs(logits: torch.Tensor, labels: torch.Tensor, shifted: bool) -> torch.Tensor:
+    """Summed log-probability of the labelled tokens of each row; (R, T, V), (R, T') -> (R,).
+
+    Prompt methods may prepend virtual tokens to the logits, so only the last T' positions are read.
+    """
+    logits = logits[:, -labels.shape[1] :]
+    if shifted:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    picked = logprobs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (picked * (labels != -100)).sum(-1)
+
+
+def _per_example(row_scores: torch.Tensor, options: list[int]) -> torch.Tensor:
+    """Flat per-option scores -> (examples, max options), missing options at -inf."""
+    table = row_scores.new_full((len(options), max(options)), float("-inf"))
+    for i, chunk in enumerate(torch.split(row_scores, options)):
+        table[i, : len(chunk)] = chunk
+    return table

@@ -1,0 +1,136 @@
+"""Run logs (JSONL + CSV), learning-curve plots and comparison tables."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+LOG_JSONL = "metrics.jsonl"
+LOG_CSV = "metrics.csv"
+CURVES_PNG = "learning_curves.png"
+
+
+class MetricsLog:
+    """Appends one record per step/epoch to metrics.jsonl and metrics.csv (columns fixed by the first record
+    of each kind, so step and epoch rows share one CSV with blank cells where a field does not apply)."""
+
+    COLUMNS = (
+        "kind",
+        "epoch",
+        "step",
+        "loss",
+        "lr",
+        "elapsed_s",
+        "validation_score",
+        "validation_accuracy",
+        "validation_f1",
+        "validation_f1a",
+        "validation_em",
+    )
+
+    def __init__(self, directory: Path):
+        self._jsonl = (directory / LOG_JSONL).open("w")
+        self._csv_file = (directory / LOG_CSV).open("w", newline="")
+        self._csv = csv.DictWriter(self._csv_file, fieldnames=self.COLUMNS, extrasaction="ignore")
+        self._csv.writeheader()
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._csv.writerow(record)
+        self._jsonl.flush()
+        self._csv_file.flush()
+
+    def close(self) -> None:
+        self._jsonl.close()
+        self._csv_file.close()
+
+
+def read_log(directory: Path) -> list[dict[str, Any]]:
+    with (directory / LOG_JSONL).open() as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def plot_learning_curves(directory: Path) -> Path:
+    """Training loss per step and validation score per epoch, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_log(directory)
+    steps = [r for r in records if r["kind"] == "step"]
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+    left.plot([r["step"] for r in steps], [r["loss"] for r in steps], linewidth=0.8)
+    left.set(xlabel="step", ylabel="training loss", title="loss")
+    right.plot([r["epoch"] for r in epochs], [r["validation_score"] for r in epochs], marker="o")
+    right.set(xlabel="epoch", ylabel="validation score", title="validation")
+    figure.tight_layout()
+    path = directory / CURVES_PNG
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def aggregate_seeds(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean and standard deviation over seeds of every test metric, plus the per-seed results."""
+    metrics = runs[0]["test"].keys()
+    summary = {
+        name: {
+            "mean": statistics.fmean(r["test"][name] for r in runs),
+            "std": statistics.stdev([r["test"][name] for r in runs]) if len(runs) > 1 else 0.0,
+        }
+        for name in metrics
+    }
+    first = runs[0]
+    return {
+        "task": first["task"],
+        "method": first["method"],
+        "variant": first["variant"],
+        "model": first["model"],
+        "seeds": [r["seed"] for r in runs],
+        "test": summary,
+        "score": summary["score"],
+        "trainable_params": first["trainable_params"],
+        "total_params": first["total_params"],
+        "trainable_percent": first["trainable_percent"],
+        "epochs_run": [r["epochs_run"] for r in runs],
+        "best_epoch": [r["best_epoch"] for r in runs],
+        "wall_time_s": round(sum(r["wall_time_s"] for r in runs), 1),
+        "runs": runs,
+    }
+
+
+def comparison_table(results: list[dict[str, Any]]) -> str:
+    """Markdown: one row per method, one column per task (score mean ± std, in %), the average, params, time."""
+    tasks = sorted({r["task"] for r in results})
+    methods = list(dict.fromkeys(method_label(r) for r in results))
+    cell = {(method_label(r), r["task"]): r for r in results}
+    header = ["method", *tasks, "average", "trainable params (%)", "wall time"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method in methods:
+        row, scores, params, seconds = [method], [], "", 0.0
+        for task in tasks:
+            r = cell.get((method, task))
+            if r is None:
+                row.append("n/a")
+                continue
+            mean, std = r["score"]["mean"], r["score"]["std"]
+            scores.append(mean)
+            row.append(f"{100 * mean:.1f} ± {100 * std:.1f}")
+            params = f"{r['trainable_params']:,} ({r['trainable_percent']:.4f}%)"
+            seconds += r["wall_time_s"]
+        row.append(f"{100 * statistics.fmean(scores):.1f}" if len(scores) == len(tasks) else "n/a")
+        row += [params, f"{seconds / 60:.1f} min"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def method_label(result: dict[str, Any]) -> str:
+    """'capt' for the default variant, 'capt-<variant>' otherwise, else the method name."""
+    if result["method"] == "capt" and result["variant"] != "add":
+        return f"capt-{result['variant']}"
+    return result["method"]
