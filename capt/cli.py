@@ -147,17 +147,16 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .data import paper_splits
-    from .train import encode_cached, evaluate, load_run
+    from .train import encode_cached, evaluate, load_run, load_splits
 
     config, model, fmt = load_run(args.adapter)
-    task = args.task or config.task
-    fmt = dataclasses.replace(fmt, task=task)
-    examples = paper_splits(task, args.data_dir or config.data_dir, seed=config.split_seed)[args.split]
+    config = dataclasses.replace(config, task=args.task or config.task, data_dir=args.data_dir or config.data_dir)
+    fmt = dataclasses.replace(fmt, task=config.task)
+    examples = load_splits(config)[args.split]
     scores = evaluate(model, fmt, encode_cached(fmt, examples, config), examples, config.eval_batch_size)
-    out = Path(args.adapter) / f"eval-{task}-{args.split}.json"
-    out.write_text(json.dumps({"task": task, "split": args.split, **scores}, indent=2) + "\n")
-    print(f"{task} {args.split}: " + ", ".join(f"{k} {100 * v:.2f}" for k, v in scores.items()) + f"  ({out})")
+    out = Path(args.adapter) / f"eval-{config.task}-{args.split}.json"
+    out.write_text(json.dumps({"task": config.task, "split": args.split, **scores}, indent=2) + "\n")
+    print(f"{config.task} {args.split}: " + ", ".join(f"{k} {100 * v:.2f}" for k, v in scores.items()) + f"  ({out})")
     return 0
 
 

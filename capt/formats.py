@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from .data import Example, is_choice_task
+from .data import TASKS, Example, is_choice_task
 from .data import templates as tpl
 
 Features = dict[str, Any]
@@ -180,6 +180,11 @@ class CausalLMFormat(OptionScoringFormat):
 
 
 FORMATS = {"encoder": EncoderFormat, "encoder-decoder": T5Format, "decoder": CausalLMFormat}
+
+
+def head_outputs(task: str) -> int:
+    """Outputs of an encoder's classification head: one per label, or one score per option for choice tasks."""
+    return 1 if is_choice_task(task) else len(TASKS[task].labels)
 
 
 def make_format(family: str, task: str, tokenizer: PreTrainedTokenizerBase, max_length: int) -> TaskFormat:

@@ -28,7 +28,7 @@ from transformers.optimization import Adafactor
 
 from .backbones import load_backbone
 from .data import TASKS, Example, paper_splits
-from .formats import TaskFormat, make_format
+from .formats import TaskFormat, head_outputs, make_format
 from .methods import METHODS, MethodOptions, apply_method, count_parameters
 from .metrics import task_metrics
 from .model import CaptModel
@@ -109,8 +109,7 @@ def train(config: RunConfig) -> dict[str, Any]:
         out.mkdir(parents=True, exist_ok=True)
         (out / RUN_CONFIG_NAME).write_text(json.dumps(asdict(config), indent=2) + "\n")
 
-    splits = paper_splits(config.task, config.data_dir, seed=config.split_seed)
-    splits = _limit(splits, config.limit_train, config.limit_eval)
+    splits = load_splits(config)
     model, fmt = build_model(config)
     features = {name: encode_cached(fmt, examples, config) for name, examples in splits.items()}
     trainable, total = count_parameters(model)
@@ -216,11 +215,16 @@ def train(config: RunConfig) -> dict[str, Any]:
     return results
 
 
+def load_splits(config: RunConfig) -> dict[str, list[Example]]:
+    """The paper's train/validation/test splits of config.task, cut to limit_train / limit_eval if set."""
+    splits = paper_splits(config.task, config.data_dir, seed=config.split_seed)
+    limits = {"train": config.limit_train, "validation": config.limit_eval, "test": config.limit_eval}
+    return {name: examples[: limits[name]] if limits[name] else examples for name, examples in splits.items()}
+
+
 def build_model(config: RunConfig) -> tuple[nn.Module, TaskFormat]:
     """Backbone + method + the task format for its family."""
-    info = TASKS[config.task]
-    num_labels = 1 if not info.labels or config.task == "copa" else len(info.labels)
-    backbone = load_backbone(config.model, num_labels=num_labels, seed=config.seed)
+    backbone = load_backbone(config.model, num_labels=head_outputs(config.task), seed=config.seed)
     fmt = make_format(backbone.family, config.task, backbone.tokenizer, config.max_length)
     return apply_method(backbone, config.method, config.method_options()), fmt
 
@@ -332,11 +336,6 @@ def _optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimizer:
 
 def _is_head(name: str) -> bool:
     return any(part in ("classifier", "score") for part in name.split("."))
-
-
-def _limit(splits: dict[str, list], limit_train: int | None, limit_eval: int | None) -> dict[str, list]:
-    limits = {"train": limit_train, "validation": limit_eval, "test": limit_eval}
-    return {name: examples[: limits[name]] if limits[name] else examples for name, examples in splits.items()}
 
 
 def _to_device(value: Any, device) -> Any:
