@@ -169,3 +169,11 @@ def test_unknown_task_or_method_is_a_clear_error(tmp_path, capsys):
     assert "unknown task 'squad'" in capsys.readouterr().err
     assert main(["train", "--method", "magic", "--output-dir", str(tmp_path / "b")]) == 1
     assert "unknown method 'magic'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config", sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml")))
+def test_shipped_configs_are_valid_run_configs(config):
+    from capt.cli import _parser, run_config
+
+    args = _parser().parse_args(["train", "--config", str(config)])
+    assert run_config(args).model
