@@ -1,6 +1,6 @@
 # Two commands from a fresh clone: `make demo` (the main job) and `make test` (the whole suite).
 # Both create .venv on first use. torch is pinned to the CPU wheel that lies on this machine's disk
-# *before* the project is installed, so the project's `torch>=2.4` range is already satisfied.
+# *before* the project is installed, so the project's `torch>=2.6` range is already satisfied.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

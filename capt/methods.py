@@ -40,7 +40,10 @@ def apply_method(backbone: Backbone, method: str, options: MethodOptions | None 
     if method == "capt":
         return get_capt_model(base, CaptConfig(variant=options.variant))
     if method == "deep-prompt":
-        return get_capt_model(base, CaptConfig(num_slots=options.deep_prompt_slots, instance_aware=False))
+        # Random init: m zero-initialised slots would be interchangeable (an encoder gives them no positions),
+        # receive identical gradients and stay identical.
+        config = CaptConfig(num_slots=options.deep_prompt_slots, instance_aware=False, init="normal")
+        return get_capt_model(base, config)
     if method in ("prompt", "ptv2", "lora", "ia3"):
         return _peft_model(backbone, method, options)
     if method == "head":

@@ -14,8 +14,12 @@ CURVES_PNG = "learning_curves.png"
 
 
 class MetricsLog:
-    """Appends one record per step/epoch to metrics.jsonl and metrics.csv (columns fixed by the first record
-    of each kind, so step and epoch rows share one CSV with blank cells where a field does not apply)."""
+    """Appends one record per step/epoch to metrics.jsonl and metrics.csv (step and epoch rows share one CSV,
+    with blank cells where a column does not apply).
+
+    `keep_until_step` (resuming) keeps the records of an earlier attempt up to that step and drops the rest,
+    which the resumed run is about to redo.
+    """
 
     COLUMNS = (
         "kind",
@@ -31,11 +35,16 @@ class MetricsLog:
         "validation_em",
     )
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, keep_until_step: int | None = None):
+        kept = []
+        if keep_until_step is not None and (directory / LOG_JSONL).is_file():
+            kept = [r for r in read_log(directory) if r["step"] <= keep_until_step]
         self._jsonl = (directory / LOG_JSONL).open("w")
         self._csv_file = (directory / LOG_CSV).open("w", newline="")
         self._csv = csv.DictWriter(self._csv_file, fieldnames=self.COLUMNS, extrasaction="ignore")
         self._csv.writeheader()
+        for record in kept:
+            self.write(record)
 
     def write(self, record: dict[str, Any]) -> None:
         self._jsonl.write(json.dumps(record) + "\n")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -37,6 +38,7 @@ from .reporting import MetricsLog, plot_learning_curves
 RESULTS_NAME = "results.json"
 RUN_CONFIG_NAME = "run_config.json"
 TRAINABLE_NAME = "trainable.safetensors"
+CHECKPOINT_NAME = "checkpoint.pt"
 # Learning rates that train each method sensibly with AdamW on the MiniLM (override with --lr).
 DEFAULT_LR = {
     "capt": 1e-2,
@@ -79,6 +81,8 @@ class RunConfig:
     deep_prompt_slots: int = 10
     virtual_tokens: int = 20
     lora_rank: int = 8
+    checkpoint_every: int = 50  # batches between crash-safe checkpoints (0: only at epoch ends)
+    trust_remote_code: bool = False  # run code shipped with a Hub model (off unless asked)
     cache_dir: str = field(default_factory=lambda: str(Path.home() / ".cache" / "capt" / "features"))
 
     def __post_init__(self) -> None:
@@ -98,20 +102,45 @@ class RunConfig:
         return MethodOptions(self.variant, self.deep_prompt_slots, self.virtual_tokens, self.lora_rank)
 
 
-def train(config: RunConfig) -> dict[str, Any]:
-    """Run one seed of `config`; writes logs, the best trainable weights and results.json to output_dir."""
+@dataclass
+class Progress:
+    """Where a run stands: everything besides weights and optimizer that a resumed run must restore."""
+
+    epoch: int = 1  # the epoch to run next
+    batch: int = 0  # the next batch of that epoch
+    step: int = 0  # batches done so far
+    best_score: float = -1.0
+    best_epoch: int = 0
+    epochs_run: int = 0
+    elapsed_s: float = 0.0
+    stopped: bool = False  # early stopping has ended the run
+
+
+def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
+    """Run one seed of `config`; writes logs, checkpoints, the best trainable weights and results.json.
+
+    With `resume`, continues from `output_dir/checkpoint.pt` (written atomically every `checkpoint_every`
+    batches and at each epoch end); on CPU with the same seed the result equals an uninterrupted run.
+    """
     accelerator = Accelerator(
-        gradient_accumulation_steps=config.grad_accum, mixed_precision="bf16" if config.bf16 else "no"
+        gradient_accumulation_steps=config.grad_accum,
+        mixed_precision="bf16" if config.bf16 else "no",
+        # Without an accelerator, `cpu=True` is what makes a torchrun/accelerate launch use gloo data parallelism.
+        cpu=not torch.accelerator.is_available(),
     )
     set_seed(config.seed)
     out = Path(config.output_dir)
+    checkpoint_file = out / CHECKPOINT_NAME
+    if resume and not checkpoint_file.is_file():
+        raise FileNotFoundError(f"cannot resume: no {CHECKPOINT_NAME} in {out}")
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        (out / RUN_CONFIG_NAME).write_text(json.dumps(asdict(config), indent=2) + "\n")
+        _atomic_write_text(out / RUN_CONFIG_NAME, json.dumps(asdict(config), indent=2) + "\n")
 
     splits = load_splits(config)
     model, fmt = build_model(config)
     features = {name: encode_cached(fmt, examples, config) for name, examples in splits.items()}
+    lengths = [fmt.length(f) for f in features["train"]]
     trainable, total = count_parameters(model)
     accelerator.print(
         f"{config.task} / {config.method} on {config.model}: {len(splits['train'])} train, "
@@ -120,45 +149,67 @@ def train(config: RunConfig) -> dict[str, Any]:
     )
 
     optimizer = _optimizer(model, config)
-    steps_per_epoch = math.ceil(len(features["train"]) / (config.batch_size * config.grad_accum))
-    scheduler = get_linear_schedule_with_warmup(
-        optimizer, int(config.warmup_ratio * steps_per_epoch * config.epochs), steps_per_epoch * config.epochs
-    )
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    log = MetricsLog(out) if accelerator.is_main_process else None
+    batches_per_epoch = len(epoch_batches(lengths, config, 1, accelerator.num_processes))
+    updates = math.ceil(batches_per_epoch / config.grad_accum) * config.epochs
+    scheduler = get_linear_schedule_with_warmup(optimizer, int(config.warmup_ratio * updates), updates)
+    # The scheduler stays unprepared: Accelerate would step it once per process, but `updates` already counts
+    # global batches.
+    model, optimizer = accelerator.prepare(model, optimizer)
 
-    best_score, best_epoch, best_state, epochs_run, step = -1.0, 0, None, 0, 0
-    started = time.time()
-    rng = random.Random(config.seed)
-    for epoch in tqdm(range(1, config.epochs + 1), desc="epochs", disable=not accelerator.is_main_process):
+    progress, best_state = Progress(), None
+    if resume:
+        progress, best_state = _load_checkpoint(checkpoint_file, accelerator.unwrap_model(model), optimizer, scheduler)
+        accelerator.print(f"resuming at epoch {progress.epoch}, batch {progress.batch} (step {progress.step})")
+    log = MetricsLog(out, keep_until_step=progress.step if resume else None) if accelerator.is_main_process else None
+
+    def save_checkpoint() -> None:
+        if accelerator.is_main_process:
+            _save_checkpoint(
+                checkpoint_file, progress, accelerator.unwrap_model(model), optimizer, scheduler, best_state
+            )
+        accelerator.wait_for_everyone()
+
+    started = time.time() - progress.elapsed_s
+    for epoch in range(progress.epoch, config.epochs + 1):
+        if progress.stopped:
+            break
         model.train()
-        batches = length_grouped_batches([fmt.length(f) for f in features["train"]], config.batch_size, rng)
-        shard = batches[accelerator.process_index :: accelerator.num_processes]
-        for indices in tqdm(shard, desc=f"epoch {epoch}", leave=False, disable=not accelerator.is_main_process):
+        batches = epoch_batches(lengths, config, epoch, accelerator.num_processes)
+        for position in tqdm(
+            range(progress.batch, len(batches)),
+            desc=f"epoch {epoch}",
+            leave=False,
+            disable=not accelerator.is_main_process,
+        ):
+            indices = batches[position][accelerator.process_index :: accelerator.num_processes]
             batch = _to_device(fmt.collate([features["train"][i] for i in indices]), accelerator.device)
             with accelerator.accumulate(model):
                 loss = fmt.loss(model, batch)
                 if not torch.isfinite(loss):
                     raise FloatingPointError(
-                        f"loss is {loss.item()} at epoch {epoch}, step {step + 1} "
-                        f"(batch of training examples {indices[:8]}...)"
+                        f"loss is {loss.item()} at epoch {epoch}, step {progress.step + 1} (training examples "
+                        f"{indices[:8]}{'...' if len(indices) > 8 else ''}); the last good checkpoint is kept"
                     )
                 accelerator.backward(loss)
                 optimizer.step()
-                scheduler.step()
+                if accelerator.sync_gradients:
+                    scheduler.step()
                 optimizer.zero_grad()
-            step += 1
+            progress.step, progress.batch = progress.step + 1, position + 1
             if log:
                 log.write(
                     {
                         "kind": "step",
                         "epoch": epoch,
-                        "step": step,
+                        "step": progress.step,
                         "loss": loss.item(),
                         "lr": scheduler.get_last_lr()[0],
                     }
                 )
-        epochs_run = epoch
+            if config.checkpoint_every and progress.step % config.checkpoint_every == 0 and accelerator.sync_gradients:
+                progress.elapsed_s = time.time() - started
+                save_checkpoint()
+
         validation = evaluate(
             accelerator.unwrap_model(model),
             fmt,
@@ -167,22 +218,25 @@ def train(config: RunConfig) -> dict[str, Any]:
             config.eval_batch_size,
             accelerator.device,
         )
+        progress.epochs_run, progress.epoch, progress.batch = epoch, epoch + 1, 0
+        progress.elapsed_s = time.time() - started
         if log:
             log.write(
                 {
                     "kind": "epoch",
                     "epoch": epoch,
-                    "step": step,
-                    "elapsed_s": time.time() - started,
+                    "step": progress.step,
+                    "elapsed_s": progress.elapsed_s,
                     **{f"validation_{k}": v for k, v in validation.items()},
                 }
             )
-        if validation["score"] > best_score:
-            best_score, best_epoch = validation["score"], epoch
+        if validation["score"] > progress.best_score:
+            progress.best_score, progress.best_epoch = validation["score"], epoch
             best_state = trainable_state(accelerator.unwrap_model(model))
-        elif epoch - best_epoch >= config.patience:
+        elif epoch - progress.best_epoch >= config.patience:
             accelerator.print(f"early stop: no better validation score for {config.patience} epochs")
-            break
+            progress.stopped = True
+        save_checkpoint()
 
     model = accelerator.unwrap_model(model)
     load_trainable_state(model, best_state)
@@ -195,24 +249,69 @@ def train(config: RunConfig) -> dict[str, Any]:
         "seed": config.seed,
         "test": test,
         "score": test["score"],
-        "best_validation_score": best_score,
-        "best_epoch": best_epoch,
-        "epochs_run": epochs_run,
+        "best_validation_score": progress.best_score,
+        "best_epoch": progress.best_epoch,
+        "epochs_run": progress.epochs_run,
         "trainable_params": trainable,
         "total_params": total,
         "trainable_percent": 100 * trainable / total,
         "wall_time_s": round(time.time() - started, 1),
         "train_examples": len(splits["train"]),
         "test_examples": len(splits["test"]),
+        "processes": accelerator.num_processes,
     }
     if accelerator.is_main_process:
         save_file({k: v.contiguous() for k, v in best_state.items()}, out / TRAINABLE_NAME)
         if isinstance(model, CaptModel):
             model.save_pretrained(out / "adapter")
-        (out / RESULTS_NAME).write_text(json.dumps(results, indent=2) + "\n")
+        _atomic_write_text(out / RESULTS_NAME, json.dumps(results, indent=2) + "\n")
         log.close()
         plot_learning_curves(out)
     return results
+
+
+def epoch_batches(lengths: list[int], config: RunConfig, epoch: int, processes: int) -> list[list[int]]:
+    """The global batches of one epoch: a pure function of (seed, epoch), so a resumed run replays them exactly.
+
+    Each global batch holds batch_size x processes examples; process k takes every processes-th of them, so N
+    processes with batch_size b see the same global batches as one process with batch_size N x b.
+    """
+    rng = random.Random(config.seed * 100_003 + epoch)
+    return length_grouped_batches(lengths, config.batch_size * processes, rng)
+
+
+def _save_checkpoint(
+    path: Path, progress: Progress, model: nn.Module, optimizer, scheduler, best_state: dict[str, torch.Tensor] | None
+) -> None:
+    state = {
+        "progress": asdict(progress),
+        "trainable": trainable_state(model),
+        "best": best_state or {},
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+    }
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # atomic: a crash leaves the previous checkpoint intact
+
+
+def _load_checkpoint(path: Path, model: nn.Module, optimizer, scheduler):
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as err:  # a torn or foreign file: say which
+        raise ValueError(f"{path} is not a readable checkpoint: {err}") from err
+    load_trainable_state(model, state["trainable"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"])
+    return Progress(**state["progress"]), state["best"] or None
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def load_splits(config: RunConfig) -> dict[str, list[Example]]:
@@ -224,7 +323,9 @@ def load_splits(config: RunConfig) -> dict[str, list[Example]]:
 
 def build_model(config: RunConfig) -> tuple[nn.Module, TaskFormat]:
     """Backbone + method + the task format for its family."""
-    backbone = load_backbone(config.model, num_labels=head_outputs(config.task), seed=config.seed)
+    backbone = load_backbone(
+        config.model, num_labels=head_outputs(config.task), seed=config.seed, trust_remote_code=config.trust_remote_code
+    )
     fmt = make_format(backbone.family, config.task, backbone.tokenizer, config.max_length)
     return apply_method(backbone, config.method, config.method_options()), fmt
 

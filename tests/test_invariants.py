@@ -1,0 +1,91 @@
+"""Property tests of the core's equalities over random batch shapes, padding patterns and dtypes."""
+
+import pytest
+import torch
+from conftest import build, randomize_capsules
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import capt
+
+MODELS = {}
+
+
+def _model(name):
+    """One wrapped model per family for the whole module (building is the slow part)."""
+    if name not in MODELS:
+        MODELS[name] = capt.get_capt_model(build(name))
+        randomize_capsules(MODELS[name])
+    return MODELS[name]
+
+
+lengths = st.lists(st.integers(min_value=1, max_value=9), min_size=1, max_size=4)
+
+
+def _right_padded(lengths_, seed):
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths_)
+    ids = torch.randint(3, 100, (len(lengths_), width), generator=generator)
+    mask = (torch.arange(width)[None] < torch.tensor(lengths_)[:, None]).long()
+    return ids * mask, mask
+
+
+@settings(max_examples=12, deadline=None)
+@given(lengths=lengths, seed=st.integers(0, 1000), name=st.sampled_from(["bert-cls", "t5", "llama"]))
+def test_every_row_of_a_padded_batch_equals_the_row_alone(lengths, seed, name):
+    model = _model(name)
+    ids, mask = _right_padded(lengths, seed)
+    extra = {"decoder_input_ids": torch.zeros(len(lengths), 2, dtype=torch.long)} if name == "t5" else {}
+    with torch.no_grad():
+        batch = model(input_ids=ids, attention_mask=mask, **extra).logits
+        for row, length in enumerate(lengths):
+            single = {k: v[row : row + 1] for k, v in extra.items()}
+            alone = model(input_ids=ids[row : row + 1, :length], **single).logits[0]
+            got = batch[row, :length] if name == "llama" else batch[row]
+            assert torch.allclose(got, alone, atol=1e-4)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    lengths=lengths,
+    seed=st.integers(0, 1000),
+    name=st.sampled_from(["bert", "gpt2", "qwen2"]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_outputs_have_the_base_shapes_for_any_batch(lengths, seed, name, dtype):
+    model = _model(name)
+    ids, mask = _right_padded(lengths, seed)
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=dtype is torch.bfloat16):
+        got = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        with model.disable_adapter():
+            expected = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    main = "logits" if "logits" in expected else "last_hidden_state"
+    assert got[main].shape == expected[main].shape
+    assert [h.shape for h in got.hidden_states] == [h.shape for h in expected.hidden_states]
+
+
+@settings(max_examples=8, deadline=None)
+@given(lengths=lengths, seed=st.integers(0, 1000), new_tokens=st.integers(1, 5))
+def test_cached_and_uncached_generation_agree_for_left_padded_batches(lengths, seed, new_tokens):
+    model = _model("llama")
+    ids, mask = _right_padded(lengths, seed)
+    # Left-pad: move each row's padding to the front.
+    ids = torch.stack([torch.roll(row, int((m == 0).sum())) for row, m in zip(ids, mask, strict=True)])
+    mask = torch.stack([torch.roll(m, int((m == 0).sum())) for m in mask])
+    kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    cached = model.generate(input_ids=ids, use_cache=True, **kwargs)
+    uncached = model.generate(input_ids=ids, use_cache=False, **kwargs)
+    assert torch.equal(cached, uncached)
+    assert torch.equal(cached[:, : ids.shape[1]], ids)  # the prompt comes back as given, no slot
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_capsules_are_written_in_the_hidden_dtype(dtype):
+    model = capt.get_capt_model(build("llama").to(dtype))
+    seen = []
+    model.base_model.model.layers[1].register_forward_pre_hook(
+        lambda m, a, k: seen.append((a[0] if a else k["hidden_states"]).dtype), with_kwargs=True
+    )
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7]]))
+    assert seen == [dtype]
