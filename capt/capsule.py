@@ -2,9 +2,10 @@
 
     S_i = p_i + Mean(instance tokens of the layer input)          (variant "add", the paper's default)
 
-`Capsules.slots(layer, hidden, weights)` returns the vectors written at the front of layer `layer`'s input.
+Calling `Capsules(layer, hidden, weights)` returns the vectors written at the front of layer `layer`'s input.
 `weights` (B x T) holds the masked-mean weights: 1/count on instance tokens, 0 elsewhere, so the summary is
-one batched matrix product.
+one batched matrix product. The capsules are computed by *calling* the module (not by reading its parameter from
+a hook) so that DeepSpeed ZeRO-3 gathers the partitioned parameters around the call.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class Capsules(nn.Module):
         module = self.summarizers[0 if len(self.summarizers) == 1 else layer]
         return module(hidden, weights)
 
-    def slots(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The (B, slots_per_layer, d) vectors written at the front of layer `layer`'s input."""
         batch = hidden.shape[0]
         learned = self.vectors[layer].view(1, self.config.num_slots, -1).expand(batch, -1, -1)

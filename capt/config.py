@@ -1,4 +1,8 @@
-"""`CaptConfig`: everything that defines a CaPT adapter, saved as `adapter_config.json`."""
+"""`CaptConfig`: everything that defines a CaPT adapter, saved as `adapter_config.json`.
+
+When a supported `peft` is installed, `CaptConfig` is a `peft.PeftConfig`, so the same object configures
+`capt.get_capt_model` and `peft.get_peft_model`, and one file format serves both APIs.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,21 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .integrations import config_base
+
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PEFT_TYPE = "CAPT"
-# Keys of adapter_config.json that describe the saved adapter rather than configure it.
-METADATA_KEYS = ("peft_type", "base_model", "base_model_name_or_path")
+# Keys PEFT writes into adapter_config.json; without peft installed they are read and ignored.
+PEFT_BOOKKEEPING_KEYS = (
+    "peft_type",
+    "task_type",
+    "peft_version",
+    "auto_mapping",
+    "base_model_name_or_path",
+    "revision",
+    "inference_mode",
+)
 
 VARIANTS = ("add", "prepend", "extract", "project")
 INITS = ("zeros", "normal")
@@ -19,7 +33,7 @@ TARGETS = ("auto", "encoder", "decoder", "both")
 
 
 @dataclass
-class CaptConfig:
+class CaptConfig(config_base()):
     """Configuration of a Capsule Prompt-Tuning adapter.
 
     Layer count and hidden size are read from the model when the adapter is attached, so the default
@@ -31,6 +45,9 @@ class CaptConfig:
         >>> cfg.num_slots, cfg.instance_aware
         (1, True)
         >>> deep_prompt = capt.CaptConfig(num_slots=10, instance_aware=False)  # Deep Prompt-Tuning
+        >>> import peft  # the same config drives PEFT's API
+        >>> isinstance(cfg, peft.PeftConfig), cfg.peft_type
+        (True, 'CAPT')
     """
 
     variant: str = field(
@@ -87,8 +104,18 @@ class CaptConfig:
             "None: the freshly initialised task head of a classification model ('classifier' or 'score')."
         },
     )
+    base_model: dict[str, Any] | None = field(
+        default=None,
+        metadata={
+            "help": "Facts about the model the adapter was saved from (model type, hidden size, capsule layers); "
+            "written by save_pretrained and checked when the adapter is attached. Leave it None."
+        },
+    )
 
     def __post_init__(self) -> None:
+        if hasattr(super(), "__post_init__"):
+            super().__post_init__()  # PeftConfig's checks and version stamp
+        self.peft_type = PEFT_TYPE
         _check_choice("variant", self.variant, VARIANTS)
         _check_choice("init", self.init, INITS)
         _check_choice("target", self.target, TARGETS)
@@ -114,12 +141,12 @@ class CaptConfig:
         return self.num_slots + (1 if self.variant == "prepend" else 0)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"peft_type": PEFT_TYPE, **asdict(self)}
+        return {**asdict(self), "peft_type": PEFT_TYPE}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> CaptConfig:
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known - set(METADATA_KEYS))
+        unknown = sorted(set(data) - known - set(PEFT_BOOKKEEPING_KEYS))
         if unknown:
             raise ValueError(f"{source}: unknown CaptConfig fields {unknown}")
         if data.get("peft_type", PEFT_TYPE) != PEFT_TYPE:
@@ -127,11 +154,19 @@ class CaptConfig:
         return cls(**{k: v for k, v in data.items() if k in known})
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> CaptConfig:
-        """Read `adapter_config.json` from an adapter folder."""
-        config_file = Path(path) / CONFIG_NAME
+    def from_pretrained(cls, path: str | Path, subfolder: str | None = None, **hub_kwargs: Any) -> CaptConfig:
+        """Read `adapter_config.json` from an adapter folder.
+
+        PEFT calls this with its download options (`subfolder`, `revision`, `token`, ...); a folder that is not
+        on disk is then fetched through PEFT from the Hugging Face Hub.
+        """
+        directory = Path(path, subfolder or "")
+        config_file = directory / CONFIG_NAME
+        looks_like_hub_id = not (Path(path).is_absolute() or Path(path).exists())
+        if not config_file.is_file() and looks_like_hub_id and config_base() is not object:
+            return super().from_pretrained(str(path), subfolder=subfolder, **hub_kwargs)
         if not config_file.is_file():
-            raise FileNotFoundError(f"no {CONFIG_NAME} in {path}: not a CaPT adapter folder")
+            raise FileNotFoundError(f"no {CONFIG_NAME} in {directory}: not a CaPT adapter folder")
         try:
             data = json.loads(config_file.read_text())
         except json.JSONDecodeError as err:

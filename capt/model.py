@@ -1,30 +1,19 @@
-"""`CaptModel`: a frozen Hugging Face model with one capsule slot per layer.
+"""`CaptModel`: a frozen Hugging Face model with capsules, one bank of task adapters at a time.
 
-How it works, top to bottom:
-
-1. `forward` / `generate` put the slot(s) at position 0 of the model input: a placeholder token id (its
-   embedding is never used), attention-mask 1, token-type 0, and shift explicit position ids by one. Masks,
-   RoPE positions and KV caches are then built by the model itself, for any architecture.
-2. They also record which tokens are *instance tokens* (non-padding; for causal LMs not targets) for the
-   next prefill pass.
-3. A forward pre-hook on the module owning the layers (BertEncoder, T5Stack, LlamaModel, ...) turns that
-   mask into mean weights once per pass. It is active only when the pass holds the slot: the first (prefill)
-   pass of `generate`, never a decode step, whose slot already sits in the KV cache.
-4. A forward pre-hook on every layer overwrites the slot rows of the layer input with
-   `S_i = p_i + Mean(instance tokens [+ slot output of layer i-1])`, out of place.
-5. A forward hook on the owning module removes the slot from its output, so pooler, classifier, LM head
-   and loss see exactly the user's tokens. (A T5 encoder keeps it: the decoder cross-attends to it.)
+The hooks that write the capsule slot live in `capt.injector` (shared with the PEFT integration); this module
+owns the parameters: the active adapter's capsules (`model.capsules`) and trained task head (installed where the
+head was), the other loaded adapters (stored aside), and the original heads (restored by `disable_adapter`).
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -34,50 +23,22 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.utils import ModelOutput
 
 from .capsule import Capsules
 from .config import CONFIG_NAME, WEIGHTS_NAME, CaptConfig
-from .layers import CapsuleSite, find_sites, hidden_size, model_family
+from .injector import CAPT_INPUTS, CapsuleInjector, group_rows, run_by_rows
 
-# Any valid id works: the slot's embedding is overwritten before the first layer reads it.
-SLOT_TOKEN_ID = 0
 HEAD_NAMES = ("classifier", "score", "qa_outputs")
 HEAD_MODEL_SUFFIXES = ("ForSequenceClassification", "ForMultipleChoice", "ForTokenClassification")
-
-# Where each capsule stream's slot rows show in an output, and which sequence axes the field carries.
-_STREAM_FIELDS = {
-    "own": {
-        "last_hidden_state": "hidden",
-        "hidden_states": "hidden",
-        "attentions": "square",
-        "cross_attentions": "queries",
-    },
-    "encoder-memory": {
-        "encoder_last_hidden_state": "hidden",
-        "encoder_hidden_states": "hidden",
-        "encoder_attentions": "square",
-        "cross_attentions": "keys",
-    },
-    "decoder": {
-        "decoder_hidden_states": "hidden",
-        "decoder_attentions": "square",
-        "cross_attentions": "queries",
-    },
-}
-
-
-@dataclass
-class _PassState:
-    """What the layer hooks of one site need during one forward pass."""
-
-    active: bool
-    first_weights: torch.Tensor | None = None  # mean weights at the first layer: instance tokens only
-    rest_weights: torch.Tensor | None = None  # later layers: instance tokens and the slot output
+# adapter_model.safetensors uses PEFT's key names, so that either API reads the other's files.
+FILE_KEY_PREFIXES = {"capsules.": "base_model.capt_layer.capt_capsules.", "modules_to_save.": "base_model.model."}
 
 
 class CaptModel(nn.Module):
     """A frozen `transformers` model plus trainable capsules; call it like the base model.
+
+    Several task adapters can be loaded at once (a capsule bank): `load_adapter` / `set_adapter`, and
+    `adapter_names=[...]` (one per example) on `forward` / `generate` mixes tasks in one batch.
 
     Example:
         >>> import torch, capt
@@ -92,49 +53,59 @@ class CaptModel(nn.Module):
         torch.Size([1, 3, 64])
         >>> model.generate(input_ids=ids, max_new_tokens=2, do_sample=False).shape
         torch.Size([1, 5])
+        >>> model.add_adapter("other", capt.CaptConfig(init="normal"))
+        >>> model(input_ids=ids.repeat(2, 1), adapter_names=["default", "other"]).logits.shape
+        torch.Size([2, 3, 64])
     """
 
-    def __init__(self, base_model: PreTrainedModel, config: CaptConfig):
+    def __init__(self, base_model: PreTrainedModel, config: CaptConfig, adapter_name: str = "default"):
         super().__init__()
-        if getattr(base_model, "_capt_attached", False):
-            raise ValueError("this model already has a CaPT adapter attached; call .unload() on it first")
         self.base_model = base_model
-        self.capt_config = config
-        self.family = model_family(base_model)
-        self._sites: list[CapsuleSite] = find_sites(base_model, config)
-        device = next(base_model.parameters()).device
-        num_layers = sum(len(site.layers) for site in self._sites)
-        self.capsules = Capsules(config, num_layers, hidden_size(base_model), device=device)
-
+        self.injector = CapsuleInjector(base_model, config, owner=self)
+        self.active_adapter = adapter_name
+        self.adapter_configs: dict[str, CaptConfig] = {adapter_name: config}
+        self.capsules = self._new_capsules(config)
         base_model.requires_grad_(False)
-        self.original_modules = nn.ModuleDict()
-        self._install_modules_to_save()
-
-        self._enabled = True
-        self._instance_masks: dict[str, torch.Tensor] = {}  # role -> mask for the next prefill pass
-        self._states: dict[str, _PassState] = {}
-        self._hooks = []
-        for site in self._sites:
-            self._hooks.append(
-                site.stack.register_forward_pre_hook(partial(self._before_stack, site), with_kwargs=True)
-            )
-            self._hooks.append(site.stack.register_forward_hook(partial(self._after_stack, site)))
-            for position, layer in enumerate(site.layers):
-                hook = partial(self._before_layer, site, position)
-                self._hooks.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
-        base_model._capt_attached = True
+        self.original_modules = nn.ModuleDict()  # heads as they were, while the adapter's copies are installed
+        try:
+            for name in resolve_head_names(base_model, config.modules_to_save):
+                self.original_modules[_undotted(name)] = base_model.get_submodule(name)
+                _set_submodule(base_model, name, self._trained_copy(name))
+        except ValueError:
+            self.injector.detach()
+            raise
+        # The loaded adapters that are not active; set_adapter swaps them with the installed ones.
+        self.stored_capsules = nn.ModuleDict()
+        self.stored_modules_to_save = nn.ModuleDict()
+        # Trainer keeps only the dataset columns that forward's signature names: advertise the base model's inputs.
+        forward = partial(type(self).forward, self)
+        forward.__signature__ = _forward_signature(base_model)
+        self.forward = forward
+        # Trainer saves a model that is not a PreTrainedModel with safetensors, which refuses tied weights (T5,
+        # GPT-2, Llama-3.2 embeddings): state_dict() lists each tied tensor once, load_state_dict restores the rest.
+        self.register_state_dict_post_hook(_drop_tied_duplicates)
+        self.register_load_state_dict_pre_hook(_restore_tied_duplicates)
 
     # ------------------------------------------------------------------ public API
 
     @property
+    def capt_config(self) -> CaptConfig:
+        """The active adapter's config."""
+        return self.adapter_configs[self.active_adapter]
+
+    @property
     def capsule_vectors(self) -> nn.Parameter:
-        """The paper's p_i: (num_capsule_layers, hidden), or (layers, num_slots, hidden) when num_slots > 1."""
+        """The active adapter's p_i: (num_capsule_layers, hidden), or (layers, num_slots, hidden) for num_slots > 1."""
         return self.capsules.vectors
 
     @property
     def num_slots(self) -> int:
         """Sequence positions the capsule occupies at the front of each capsule stack."""
-        return self.capt_config.slots_per_layer
+        return self.injector.num_slots
+
+    @property
+    def family(self) -> str:
+        return self.injector.family
 
     def get_nb_trainable_parameters(self) -> tuple[int, int]:
         """(trainable, total) parameter counts, like PEFT's method of the same name."""
@@ -156,28 +127,13 @@ class CaptModel(nn.Module):
         """Run the base model with capsules. Same arguments and output class as the base model's forward.
 
         `instance_mask` (same shape as `input_ids`, 1 = instance token) overrides which tokens enter the
-        capsule's mean; padding never does.
+        capsule's mean; padding never does. `adapter_names` (one loaded adapter per example) mixes tasks in
+        one batch; each row gets what running it alone with its adapter gives.
         """
-        inputs = _drop_none(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
-        if not self._enabled:
-            return self.base_model(**inputs)
-        if not _cache_is_empty(_cache_of(inputs)):
-            # Incremental decoding: the slot is already in the cache; only the masks need its column.
-            for key in ("attention_mask", "decoder_attention_mask"):
-                if key in inputs and self._role_for(key) is not None:
-                    inputs[key] = _prepend(inputs[key], self.num_slots, 1)
-            return self.base_model(**inputs)
-        lengths = self._prepare_prefill(inputs, instance_mask)
-        try:
-            output = self.base_model(**inputs)
-        finally:
-            self._instance_masks.clear()
-        # Hidden states and attentions may be collected above the stack, so strip what is still there.
-        for role, length in lengths.items():
-            output = _strip_slots(output, self.num_slots, self._output_fields(role), length)
-        return output
+        return self.base_model(
+            input_ids=input_ids, attention_mask=attention_mask, labels=labels, instance_mask=instance_mask, **kwargs
+        )
 
-    @torch.no_grad()
     def generate(
         self,
         input_ids: torch.Tensor | None = None,
@@ -187,69 +143,110 @@ class CaptModel(nn.Module):
     ):
         """`base.generate` with capsules computed once from the prompt (prefill); same output format.
 
-        Decoder-only prompts must be left-padded, as for the base model.
+        Decoder-only prompts must be left-padded, as for the base model. `adapter_names` works as in `forward`.
         """
-        inputs = _drop_none(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        if not self._enabled:
-            return self.base_model.generate(**inputs)
-        if input_ids is not None and attention_mask is None:
-            # generate() would infer the mask from pad tokens and could mistake the slot for one.
-            pad = inputs.get("pad_token_id", self.base_model.generation_config.pad_token_id)
-            inputs["attention_mask"] = (input_ids != pad).long() if pad is not None else torch.ones_like(input_ids)
-        n = self.num_slots
-        roles = {site.role for site in self._sites}
-        if self.family == "encoder-decoder" and "decoder" in roles and "decoder_input_ids" not in inputs:
-            batch = (input_ids if input_ids is not None else inputs["inputs_embeds"]).shape[0]
-            start = self.base_model.generation_config.decoder_start_token_id
-            inputs["decoder_input_ids"] = torch.full((batch, 1), start, dtype=torch.long, device=self.device)
-        if "max_length" in inputs:
-            inputs["max_length"] += n
-        self._prepare_prefill(inputs, instance_mask)
-        try:
-            output = self.base_model.generate(**inputs)
-        finally:
-            self._instance_masks.clear()
-        strip_prompt = "decoder" in roles and (self.family == "encoder-decoder" or "input_ids" in inputs)
-        if not strip_prompt:
-            return output
-        if isinstance(output, torch.Tensor):
-            return output[:, n:]
-        output.sequences = output.sequences[:, n:]
-        return output
+        return self.injector.generate(input_ids, attention_mask=attention_mask, instance_mask=instance_mask, **kwargs)
 
     @contextmanager
     def disable_adapter(self) -> Iterator[None]:
         """Inside this context the model is exactly the base model (original heads included)."""
-        self._enabled = False
+        self.injector.enabled = False
         self._swap_modules_to_save()
         try:
             yield
         finally:
             self._swap_modules_to_save()
-            self._enabled = True
+            self.injector.enabled = True
 
     def unload(self) -> PreTrainedModel:
         """Remove the hooks and restore the original heads; returns the untouched base model."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        self.injector.detach()
         self._swap_modules_to_save()
         self.original_modules = nn.ModuleDict()
-        self.base_model._capt_attached = False
         return self.base_model
+
+    # ------------------------------------------------------------------ the capsule bank
+
+    def capsules_for(self, adapter_name: str) -> Capsules:
+        if adapter_name == self.active_adapter:
+            return self.capsules
+        if adapter_name not in self.stored_capsules:
+            raise ValueError(f"no adapter named {adapter_name!r} is loaded; loaded: {list(self.adapter_configs)}")
+        return self.stored_capsules[adapter_name]
+
+    def add_adapter(self, adapter_name: str, config: CaptConfig) -> None:
+        """Add a new (untrained, trainable) adapter next to the loaded ones; `set_adapter` activates it."""
+        if adapter_name in self.adapter_configs:
+            raise ValueError(f"an adapter named {adapter_name!r} is already loaded")
+        self.injector.check_compatible(config, adapter_name)
+        heads = resolve_head_names(self.base_model, config.modules_to_save)
+        if heads != [_dotted(key) for key in self.original_modules]:
+            raise ValueError(
+                f"adapter {adapter_name!r} trains modules_to_save {heads}, the adapters already loaded train "
+                f"{[_dotted(key) for key in self.original_modules]}: adapters that share a model must train the same"
+            )
+        self.stored_capsules[adapter_name] = self._new_capsules(config)
+        self.stored_modules_to_save[adapter_name] = nn.ModuleDict(
+            {_undotted(name): self._trained_copy(name) for name in heads}
+        )
+        self.adapter_configs[adapter_name] = config
+
+    def load_adapter(self, path: str | os.PathLike, adapter_name: str, is_trainable: bool = False) -> None:
+        """Load a saved adapter next to the loaded ones (a capsule bank); `set_adapter` activates it.
+
+        Example:
+            >>> bank = capt.CaptModel.from_pretrained(base, "adapters/rte", adapter_name="rte")  # doctest: +SKIP
+            >>> bank.load_adapter("adapters/boolq", adapter_name="boolq")  # doctest: +SKIP
+            >>> bank(**batch, adapter_names=["rte", "boolq", "rte"])  # doctest: +SKIP
+        """
+        directory = Path(path)
+        self.add_adapter(adapter_name, CaptConfig.from_pretrained(directory))
+        try:
+            self.load_adapter_state_dict(_read_adapter_file(directory), str(directory / WEIGHTS_NAME), adapter_name)
+        except Exception:
+            self.delete_adapter(adapter_name)
+            raise
+        if not is_trainable:
+            for param in self._adapter_parameters(adapter_name):
+                param.requires_grad_(False)
+
+    def set_adapter(self, adapter_name: str) -> None:
+        """Make a loaded adapter the active one (the one `capsule_vectors`, `save_pretrained` and plain calls use)."""
+        if adapter_name == self.active_adapter:
+            return
+        incoming_capsules = self.capsules_for(adapter_name)
+        incoming_heads = self.stored_modules_to_save[adapter_name]
+        outgoing_heads = nn.ModuleDict({key: self.base_model.get_submodule(_dotted(key)) for key in incoming_heads})
+        for key, head in incoming_heads.items():
+            _set_submodule(self.base_model, _dotted(key), head)
+        del self.stored_capsules[adapter_name], self.stored_modules_to_save[adapter_name]
+        self.stored_capsules[self.active_adapter] = self.capsules
+        self.stored_modules_to_save[self.active_adapter] = outgoing_heads
+        self.capsules = incoming_capsules
+        self.active_adapter = adapter_name
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        """Remove a loaded adapter that is not active."""
+        if adapter_name == self.active_adapter:
+            raise ValueError(f"adapter {adapter_name!r} is active; set_adapter to another one before deleting it")
+        self.capsules_for(adapter_name)  # raises for an unknown name
+        del self.stored_capsules[adapter_name], self.stored_modules_to_save[adapter_name]
+        del self.adapter_configs[adapter_name]
 
     # ------------------------------------------------------------------ saving and loading
 
-    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
-        """Everything the adapter trains: capsules, instance modules and modules_to_save."""
-        state = {f"capsules.{k}": v for k, v in self.capsules.state_dict().items()}
-        for name in self.original_modules:
-            trained = self.base_model.get_submodule(_dotted(name))
-            state.update({f"modules_to_save.{_dotted(name)}.{k}": v for k, v in trained.state_dict().items()})
+    def adapter_state_dict(self, adapter_name: str | None = None) -> dict[str, torch.Tensor]:
+        """Everything an adapter (default: the active one) trains: capsules, instance modules, modules_to_save."""
+        name = adapter_name or self.active_adapter
+        state = {f"capsules.{k}": v for k, v in self.capsules_for(name).state_dict().items()}
+        for key, head in self._modules_to_save_of(name).items():
+            state.update({f"modules_to_save.{_dotted(key)}.{k}": v for k, v in head.state_dict().items()})
         return state
 
-    def load_adapter_state_dict(self, state: dict[str, torch.Tensor], source: str = "state dict") -> None:
-        expected = self.adapter_state_dict()
+    def load_adapter_state_dict(
+        self, state: dict[str, torch.Tensor], source: str = "state dict", adapter_name: str | None = None
+    ) -> None:
+        expected = self.adapter_state_dict(adapter_name)
         missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
         if missing or unexpected:
             raise ValueError(f"{source} does not fit this adapter: missing {missing}, unexpected {unexpected}")
@@ -264,23 +261,23 @@ class CaptModel(nn.Module):
 
     def base_model_fingerprint(self) -> dict[str, Any]:
         """The facts an adapter depends on; saved with it and checked on load."""
-        return {
-            "model_type": getattr(self.base_model.config, "model_type", None),
-            "hidden_size": hidden_size(self.base_model),
-            "num_capsule_layers": [len(site.layers) for site in self._sites],
-            "capsule_roles": [site.role for site in self._sites],
-        }
+        return self.injector.fingerprint()
 
-    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
-        """Write `adapter_config.json` and `adapter_model.safetensors` (each replaced atomically)."""
+    def save_pretrained(self, save_directory: str | os.PathLike, adapter_name: str | None = None) -> None:
+        """Write `adapter_config.json` and `adapter_model.safetensors` (each replaced atomically), in PEFT's format.
+
+        `peft.PeftModel.from_pretrained(base, save_directory)` loads the result, and this class loads what PEFT
+        saves. Saves the active adapter unless `adapter_name` names another loaded one.
+        """
+        name = adapter_name or self.active_adapter
         directory = Path(save_directory)
         directory.mkdir(parents=True, exist_ok=True)
         config = {
-            **self.capt_config.to_dict(),
+            **self.adapter_configs[name].to_dict(),
             "base_model": self.base_model_fingerprint(),
-            "base_model_name_or_path": getattr(self.base_model.config, "_name_or_path", None),
+            "base_model_name_or_path": getattr(self.base_model.config, "_name_or_path", None) or None,
         }
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.adapter_state_dict().items()}
+        tensors = {_file_key(k): v.detach().to("cpu").contiguous() for k, v in self.adapter_state_dict(name).items()}
         _atomic_write(directory / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
         _atomic_write(
             directory / CONFIG_NAME,
@@ -289,22 +286,20 @@ class CaptModel(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, base_model: PreTrainedModel, path: str | os.PathLike, is_trainable: bool = False
+        cls,
+        base_model: PreTrainedModel,
+        path: str | os.PathLike,
+        is_trainable: bool = False,
+        adapter_name: str = "default",
     ) -> CaptModel:
-        """Attach a saved adapter to `base_model`; raises ValueError if the adapter was made for another model."""
+        """Attach a saved adapter (saved by this class or by PEFT) to `base_model`.
+
+        Raises ValueError if the adapter was made for another model. More adapters join with `load_adapter`.
+        """
         directory = Path(path)
-        config = CaptConfig.from_pretrained(directory)
-        saved = json.loads((directory / CONFIG_NAME).read_text()).get("base_model", {})
-        model = cls(base_model, config)
+        model = cls(base_model, CaptConfig.from_pretrained(directory), adapter_name)
         try:
-            differences = [
-                f"{key}: adapter has {value!r}, model has {model.base_model_fingerprint().get(key)!r}"
-                for key, value in saved.items()
-                if model.base_model_fingerprint().get(key) != value
-            ]
-            if differences:
-                raise ValueError(f"adapter {directory} was made for another model: " + "; ".join(differences))
-            model.load_adapter_state_dict(_read_weights(directory), source=str(directory / WEIGHTS_NAME))
+            model.load_adapter_state_dict(_read_adapter_file(directory), str(directory / WEIGHTS_NAME))
         except Exception:
             model.unload()
             raise
@@ -322,125 +317,49 @@ class CaptModel(nn.Module):
                 raise
             return getattr(self.base_model, name)
 
-    # ------------------------------------------------------------------ inputs
+    # ------------------------------------------------------------------ internals
 
-    def _role_for(self, key: str) -> str | None:
-        """Which capsule site an input stream feeds: 'decoder_*' keys feed a T5 decoder."""
-        roles = {site.role for site in self._sites}
-        if key.startswith("decoder_"):
-            return "decoder" if "decoder" in roles and self.family == "encoder-decoder" else None
-        role = "decoder" if self.family == "decoder" else "encoder"
-        return role if role in roles else None
+    def _new_capsules(self, config: CaptConfig) -> Capsules:
+        device = next(self.base_model.parameters()).device
+        return Capsules(config, self.injector.num_layers, self.injector.hidden_size, device=device)
 
-    def _output_fields(self, role: str) -> dict[str, str]:
-        if self.family != "encoder-decoder":
-            return _STREAM_FIELDS["own"]
-        return _STREAM_FIELDS["encoder-memory" if role == "encoder" else "decoder"]
+    def _trained_copy(self, name: str) -> nn.Module:
+        """A trainable copy of the original head `name`, which answers for every adapter in a mixed batch."""
+        original = self.original_modules[_undotted(name)]
+        head = copy.deepcopy(original).requires_grad_(True)
+        head.register_forward_hook(partial(self._mixed_batch_head, _undotted(name)))
+        return head
 
-    def _prepare_prefill(self, inputs: dict[str, Any], instance_mask: torch.Tensor | None) -> dict[str, int]:
-        """Put the slot columns in front of every stream that has capsules and record the instance masks.
+    def _mixed_batch_head(self, key: str, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        """On the installed head, recompute the rows of other adapters with their own heads."""
+        row_adapters = self.injector.row_adapters
+        if row_adapters is None or module is not self.base_model.get_submodule(_dotted(key)):
+            return output
+        groups = group_rows(row_adapters, args[0].shape[0], output.device)
 
-        Returns the length (slots included) of each capsule stream, by role."""
-        if self._role_for("input_ids") is not None:
-            mask = self._stream_instance_mask(inputs, "", instance_mask)
-            if self.family == "decoder" and "labels" in inputs and inputs["labels"].shape == mask.shape:
-                mask = mask & (inputs["labels"] == -100)  # targets never enter: no answer leakage
-            self._instance_masks[self._role_for("input_ids")] = _prepend(mask, self.num_slots, False)
-            _insert_slots(inputs, "", self.num_slots)
-        if self._role_for("decoder_input_ids") is not None:
-            if "decoder_input_ids" not in inputs and "decoder_inputs_embeds" not in inputs:
-                inputs["decoder_input_ids"] = self.base_model.prepare_decoder_input_ids_from_labels(
-                    labels=inputs["labels"]
-                )
-            # Every decoder token is a target or generated: none is an instance token.
-            mask = torch.zeros_like(self._stream_instance_mask(inputs, "decoder_", None))
-            self._instance_masks["decoder"] = _prepend(mask, self.num_slots, False)
-            _insert_slots(inputs, "decoder_", self.num_slots)
-        return {role: mask.shape[-1] for role, mask in self._instance_masks.items()}
+        def head_output(adapter: str, rows) -> torch.Tensor:
+            if adapter == self.active_adapter:
+                return output[rows]
+            return self.stored_modules_to_save[adapter][key](args[0][rows], *args[1:])
 
-    @staticmethod
-    def _stream_instance_mask(inputs: dict[str, Any], prefix: str, override: torch.Tensor | None) -> torch.Tensor:
-        ids, embeds = inputs.get(f"{prefix}input_ids"), inputs.get(f"{prefix}inputs_embeds")
-        if ids is None and embeds is None:
-            raise ValueError(f"pass {prefix}input_ids or {prefix}inputs_embeds")
-        shape = ids.shape if ids is not None else embeds.shape[:-1]
-        device = (ids if ids is not None else embeds).device
-        mask = inputs.get(f"{prefix}attention_mask")
-        mask = torch.ones(shape, dtype=torch.bool, device=device) if mask is None else mask.bool()
-        if override is not None:
-            if override.shape != mask.shape:
-                raise ValueError(f"instance_mask has shape {tuple(override.shape)}, the input has {tuple(mask.shape)}")
-            mask = mask & override.bool()
-        return mask
+        return run_by_rows(groups, head_output)
 
-    def _install_modules_to_save(self) -> None:
-        names = self.capt_config.modules_to_save
-        if names is None:
-            is_head_model = type(self.base_model).__name__.endswith(HEAD_MODEL_SUFFIXES)
-            names = [n for n in HEAD_NAMES if is_head_model and hasattr(self.base_model, n)]
-        for name in names:
-            try:
-                original = self.base_model.get_submodule(name)
-            except AttributeError as err:
-                raise ValueError(
-                    f"CaptConfig.modules_to_save names {name!r}, which {type(self.base_model).__name__} does not have"
-                ) from err
-            trained = copy.deepcopy(original).requires_grad_(True)
-            _set_submodule(self.base_model, name, trained)
-            self.original_modules[_undotted(name)] = original
+    def _modules_to_save_of(self, adapter_name: str) -> dict[str, nn.Module]:
+        if adapter_name == self.active_adapter:
+            return {key: self.base_model.get_submodule(_dotted(key)) for key in self.original_modules}
+        self.capsules_for(adapter_name)  # raises for an unknown name
+        return dict(self.stored_modules_to_save[adapter_name].items())
+
+    def _adapter_parameters(self, adapter_name: str) -> Iterator[nn.Parameter]:
+        yield from self.capsules_for(adapter_name).parameters()
+        for head in self._modules_to_save_of(adapter_name).values():
+            yield from head.parameters()
 
     def _swap_modules_to_save(self) -> None:
         for key in list(self.original_modules):
             current = self.base_model.get_submodule(_dotted(key))
             _set_submodule(self.base_model, _dotted(key), self.original_modules[key])
             self.original_modules[key] = current
-
-    # ------------------------------------------------------------------ hooks
-
-    def _before_stack(self, site: CapsuleSite, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        mask = self._instance_masks.get(site.role)
-        if not (self._enabled and mask is not None and _cache_is_empty(_cache_of(kwargs))):
-            self._states[site.role] = _PassState(active=False)
-            return
-        batch, length = _batch_and_length(args, kwargs)
-        mask = mask.reshape(-1, mask.shape[-1])  # multiple-choice inputs arrive flattened
-        if batch != mask.shape[0]:
-            mask = mask.repeat_interleave(batch // mask.shape[0], dim=0)  # beams / num_return_sequences
-        if length > mask.shape[1]:
-            # Uncached generation re-reads tokens generated after the prompt: never instance tokens.
-            mask = torch.nn.functional.pad(mask, (0, length - mask.shape[1]), value=False)
-        n = self.num_slots
-        first = mask.float()
-        rest = first.clone()
-        rest[:, :n] = 1.0
-        self._states[site.role] = _PassState(
-            active=True,
-            first_weights=first / first.sum(-1, keepdim=True).clamp(min=1.0),
-            rest_weights=rest / rest.sum(-1, keepdim=True),
-        )
-
-    def _before_layer(self, site: CapsuleSite, position: int, module: nn.Module, args: tuple, kwargs: dict):
-        state = self._states.get(site.role)
-        if not self._enabled or state is None or not state.active:
-            return None
-        hidden = args[0] if args else kwargs["hidden_states"]
-        weights = state.first_weights if position == 0 else state.rest_weights
-        if weights.shape != hidden.shape[:2]:
-            raise RuntimeError(
-                f"CaPT: layer input has shape {tuple(hidden.shape[:2])} but the instance mask "
-                f"has {tuple(weights.shape)}; call the model through CaptModel.forward/generate"
-            )
-        slots = self.capsules.slots(site.first_index + position, hidden, weights)
-        hidden = torch.cat([slots, hidden[:, self.num_slots :]], dim=1)
-        if args:
-            return (hidden, *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": hidden}
-
-    def _after_stack(self, site: CapsuleSite, module: nn.Module, args: tuple, output: Any) -> Any:
-        state = self._states.get(site.role)
-        if not site.strips_output or state is None or not state.active:
-            return output
-        return _strip_slots(output, self.num_slots, _STREAM_FIELDS["own"], state.first_weights.shape[-1])
 
 
 def get_capt_model(base_model: PreTrainedModel, config: CaptConfig | None = None) -> CaptModel:
@@ -458,99 +377,83 @@ def get_capt_model(base_model: PreTrainedModel, config: CaptConfig | None = None
     return CaptModel(base_model, config or CaptConfig())
 
 
+def resolve_head_names(model: PreTrainedModel, requested: Sequence[str] | None) -> list[str]:
+    """The submodules trained and saved with the capsules: `requested`, or the fresh task head of a classifier.
+
+    PEFT adds both usual head names ('classifier', 'score') to every classifier's config, so a missing usual
+    head name is skipped; any other missing name is an error.
+    """
+    if requested is None:
+        is_head_model = type(model).__name__.endswith(HEAD_MODEL_SUFFIXES)
+        return [name for name in HEAD_NAMES if is_head_model and hasattr(model, name)]
+    present = []
+    for name in dict.fromkeys(requested):
+        try:
+            model.get_submodule(name)
+        except AttributeError as err:
+            if name in HEAD_NAMES:
+                continue
+            raise ValueError(
+                f"CaptConfig.modules_to_save names {name!r}, which {type(model).__name__} does not have"
+            ) from err
+        present.append(name)
+    return present
+
+
 # ---------------------------------------------------------------------- helpers
 
 
-def _drop_none(**kwargs: Any) -> dict[str, Any]:
-    return {k: v for k, v in kwargs.items() if v is not None}
+def _forward_signature(base_model: PreTrainedModel) -> inspect.Signature:
+    """The base model's forward parameters, then CaPT's own inputs."""
+    params = inspect.signature(base_model.forward).parameters.values()
+    named = [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    own = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None) for n in CAPT_INPUTS]
+    return inspect.Signature([*named, *own, inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
 
 
-def _cache_of(kwargs: dict[str, Any]):
-    return kwargs.get("cache", kwargs.get("past_key_values"))
+def _tied_duplicates(module: nn.Module) -> dict[str, str]:
+    """Parameter name -> the first name of the same (tied) parameter, for every name but the first."""
+    first: dict[int, str] = {}
+    duplicates = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(param), name) != name:
+            duplicates[name] = first[id(param)]
+    return duplicates
 
 
-def _cache_is_empty(cache: Any) -> bool:
-    if cache is None:
-        return True
-    if hasattr(cache, "get_seq_length"):
-        return cache.get_seq_length() == 0
-    return len(cache) == 0  # legacy tuple caches
+def _drop_tied_duplicates(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    for name in _tied_duplicates(module):
+        state_dict.pop(prefix + name, None)
 
 
-def _batch_and_length(args: tuple, kwargs: dict) -> tuple[int, int]:
-    """Batch size and sequence length of the input a layer stack was called with."""
-    for key in ("input_ids", "inputs_embeds", "hidden_states"):
-        if isinstance(kwargs.get(key), torch.Tensor):
-            value = kwargs[key]
-            return (
-                (value.shape[0], value.shape[1]) if key != "input_ids" else (value.reshape(-1, value.shape[-1]).shape)
-            )
-    if args and isinstance(args[0], torch.Tensor):
-        return args[0].shape[0], args[0].shape[1]
-    raise RuntimeError("CaPT: cannot find the input of the layer stack (input_ids, inputs_embeds or hidden_states)")
+def _restore_tied_duplicates(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    for name, kept in _tied_duplicates(module).items():
+        if prefix + kept in state_dict and prefix + name not in state_dict:
+            state_dict[prefix + name] = state_dict[prefix + kept]
 
 
-def _prepend(tensor: torch.Tensor, n: int, value: Any) -> torch.Tensor:
-    """Prepend n columns filled with `value` on the sequence (last) axis."""
-    front = torch.full((*tensor.shape[:-1], n), value, dtype=tensor.dtype, device=tensor.device)
-    return torch.cat([front, tensor], dim=-1)
+def _file_key(key: str) -> str:
+    prefix = next(p for p in FILE_KEY_PREFIXES if key.startswith(p))
+    return FILE_KEY_PREFIXES[prefix] + key.removeprefix(prefix)
 
 
-def _insert_slots(inputs: dict[str, Any], prefix: str, n: int) -> None:
-    """Make room for n slots at position 0 of one input stream ('' or 'decoder_')."""
-    if f"{prefix}input_ids" in inputs:
-        inputs[f"{prefix}input_ids"] = _prepend(inputs[f"{prefix}input_ids"], n, SLOT_TOKEN_ID)
-    if f"{prefix}inputs_embeds" in inputs:
-        embeds = inputs[f"{prefix}inputs_embeds"]
-        front = embeds.new_zeros((*embeds.shape[:-2], n, embeds.shape[-1]))
-        inputs[f"{prefix}inputs_embeds"] = torch.cat([front, embeds], dim=-2)
-    if f"{prefix}attention_mask" in inputs:
-        inputs[f"{prefix}attention_mask"] = _prepend(inputs[f"{prefix}attention_mask"], n, 1)
-    if f"{prefix}position_ids" in inputs:
-        positions = inputs[f"{prefix}position_ids"]
-        front = torch.arange(n, dtype=positions.dtype, device=positions.device).expand(*positions.shape[:-1], n)
-        inputs[f"{prefix}position_ids"] = torch.cat([front, positions + n], dim=-1)
-    if not prefix and "token_type_ids" in inputs:
-        inputs["token_type_ids"] = _prepend(inputs["token_type_ids"], n, 0)
-
-
-def _strip_slots(output: Any, n: int, fields: dict[str, str], length: int) -> Any:
-    """Remove the n slot rows from the sequence axes (of size `length`) that still hold them."""
-    if isinstance(output, torch.Tensor):
-        return _strip_tensor(output, n, "hidden", length)
-    if isinstance(output, ModelOutput):
-        for name, kind in fields.items():
-            value = output.get(name)
-            if isinstance(value, torch.Tensor):
-                output[name] = _strip_tensor(value, n, kind, length)
-            elif isinstance(value, tuple):
-                output[name] = tuple(_strip_tensor(t, n, kind, length) for t in value)
-        return output
-    if isinstance(output, tuple):
-        return (_strip_tensor(output[0], n, "hidden", length), *output[1:])
-    return output
-
-
-def _strip_tensor(tensor: torch.Tensor, n: int, kind: str, length: int) -> torch.Tensor:
-    if kind == "hidden":
-        return tensor[:, n:] if tensor.shape[1] == length else tensor
-    if kind == "square":
-        return tensor[..., n:, n:] if tensor.shape[-1] == length else tensor
-    if kind == "queries":
-        return tensor[..., n:, :] if tensor.shape[-2] == length else tensor
-    return tensor[..., n:] if tensor.shape[-1] == length else tensor  # keys
-
-
-def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
+def _read_adapter_file(directory: Path) -> dict[str, torch.Tensor]:
+    """The saved tensors, keyed as `adapter_state_dict` keys them (unknown keys stay as they are)."""
     weights = directory / WEIGHTS_NAME
     if not weights.is_file():
         pickles = sorted(p.name for p in directory.glob("*.bin"))
         hint = f" (found pickle weights {pickles}; CaPT reads safetensors only)" if pickles else ""
         raise FileNotFoundError(f"no {WEIGHTS_NAME} in {directory}{hint}")
     try:
-        return load_file(weights)
+        tensors = load_file(weights)
     except (SafetensorError, OSError, ValueError) as err:
         raise ValueError(f"{weights} is truncated or corrupt and cannot be read: {err}") from err
+    ours = {file_prefix: prefix for prefix, file_prefix in FILE_KEY_PREFIXES.items()}
+    state = {}
+    for key, tensor in tensors.items():
+        file_prefix = next((p for p in ours if key.startswith(p)), "")
+        state[ours.get(file_prefix, "") + key.removeprefix(file_prefix)] = tensor
+    return state
 
 
 def _atomic_write(target: Path, write) -> None:

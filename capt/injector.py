@@ -1,0 +1,379 @@
+"""`CapsuleInjector`: the hooks that make an attached Hugging Face model a CaPT model.
+
+`CaptModel` and the PEFT tuner (`capt.integrations.peft`) each own the capsule parameters of their adapters and
+share this machinery. Once attached, the model itself behaves as a CaPT model, whoever calls it (`CaptModel`,
+`peft.PeftModel`, `transformers.Trainer` or user code):
+
+1. A forward pre-hook on the model puts the slot(s) at position 0 of every input stream that has capsules:
+   a placeholder token id (its embedding is never used), attention-mask 1, token-type 0, explicit position ids
+   shifted by one. Masks, RoPE positions and KV caches are then built by the model itself, for any architecture.
+   It also records which tokens are *instance tokens* (non-padding; for causal LMs not targets), and which
+   adapter each row uses. A forward hook on the model strips the slot rows from what the caller gets back.
+2. `model.generate` is shadowed by `CapsuleInjector.generate`, which does the same once, for the prompt.
+3. A forward pre-hook on the module owning the layers (BertEncoder, T5Stack, LlamaModel, ...) turns the instance
+   mask into mean weights once per pass. It is active only when the pass holds the slot: the first (prefill)
+   pass of generation, never a decode step, whose slot already sits in the KV cache.
+4. A forward pre-hook on every layer overwrites the slot rows of the layer input with
+   `S_i = p_i + Mean(instance tokens [+ slot output of layer i-1])`, out of place, with the capsules of each row's
+   adapter.
+5. A forward hook on the module owning the layers removes the slot from its output, so pooler, classifier,
+   LM head and loss see exactly the user's tokens. (A T5 encoder keeps it: the decoder cross-attends to it.)
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from .capsule import Capsules
+from .config import CaptConfig
+from .layers import CapsuleSite, find_sites, hidden_size, model_family
+from .slots import (
+    STREAM_FIELDS,
+    batch_and_length,
+    cache_is_empty,
+    cache_of,
+    drop_none,
+    insert_slots,
+    prepend,
+    strip_slots,
+)
+
+# Inputs the injector takes from model calls; the model itself never sees them.
+CAPT_INPUTS = ("instance_mask", "adapter_names")
+
+
+class CapsuleOwner(Protocol):
+    """What the injector needs from whoever owns the capsule parameters."""
+
+    active_adapter: str
+
+    def capsules_for(self, adapter_name: str) -> Capsules: ...
+
+
+@dataclass
+class RowGroups:
+    """Which rows of a batch use which adapter. A batch on one adapter is a single group, without indexing."""
+
+    names: list[str]
+    rows: list[torch.Tensor] | None = None  # row indices per name; None: the one group is the whole batch
+    inverse: torch.Tensor | None = None  # puts the concatenated group results back in batch order
+
+
+def group_rows(row_adapters: Sequence[str], batch: int, device: torch.device) -> RowGroups:
+    """Group the rows of a batch by adapter name.
+
+    `row_adapters` names one adapter per example; beams, returned sequences and multiple-choice options repeat
+    each example in consecutive rows, so a longer batch repeats each name.
+    """
+    names = [name for name in row_adapters for _ in range(batch // len(row_adapters))]
+    distinct = list(dict.fromkeys(names))
+    if len(distinct) == 1:
+        return RowGroups(distinct)
+    rows = [torch.tensor([i for i, n in enumerate(names) if n == name], device=device) for name in distinct]
+    return RowGroups(distinct, rows, torch.argsort(torch.cat(rows)))
+
+
+def run_by_rows(groups: RowGroups, run: Callable[[str, Any], torch.Tensor]) -> torch.Tensor:
+    """`run(name, rows)` for every group, reassembled in batch order (rows is `slice(None)` for one group)."""
+    if groups.rows is None:
+        return run(groups.names[0], slice(None))
+    return torch.cat([run(name, rows) for name, rows in zip(groups.names, groups.rows, strict=True)])[groups.inverse]
+
+
+@dataclass
+class _PassState:
+    """What the layer hooks of one site need during one forward pass."""
+
+    active: bool
+    first_weights: torch.Tensor | None = None  # mean weights at the first layer: instance tokens only
+    rest_weights: torch.Tensor | None = None  # later layers: instance tokens and the slot output
+    groups: RowGroups | None = None
+
+
+class CapsuleInjector:
+    """Attaches the CaPT hooks to `model`; `owner` provides the capsules of each adapter.
+
+    `config` fixes what every adapter of this model must share: the layer stacks that get capsules and the slot
+    count. Raises ValueError, before touching the model, if `config.base_model` (the facts saved with an adapter)
+    does not match `model`.
+    """
+
+    def __init__(self, model: PreTrainedModel, config: CaptConfig, owner: CapsuleOwner):
+        if getattr(model, "_capt_attached", False):
+            raise ValueError("this model already has a CaPT adapter attached; call .unload() on it first")
+        self.model = model
+        self.owner = owner
+        self.family = model_family(model)
+        self.sites: list[CapsuleSite] = find_sites(model, config)
+        self.num_slots = config.slots_per_layer
+        self.num_layers = sum(len(site.layers) for site in self.sites)
+        self.hidden_size = hidden_size(model)
+        self.check_base_model(config)
+
+        self.enabled = True
+        # Set around a PEFT call by the tuner, which receives `adapter_names` before PEFT drops it.
+        self.pending_adapter_names: list[str] | None = None
+        self.row_adapters: list[str] | None = None  # per example, during a pass that names them
+        self._generating = False
+        self._instance_masks: dict[str, torch.Tensor] = {}  # role -> mask for the next prefill pass
+        self._stream_lengths: dict[str, int] = {}  # role -> length with slots, to strip the output
+        self._states: dict[str, _PassState] = {}
+        self._argument_names = list(inspect.signature(model.forward).parameters)
+
+        self._hooks = [
+            model.register_forward_pre_hook(self._before_model, with_kwargs=True),
+            model.register_forward_hook(self._after_model, with_kwargs=True, always_call=True),
+        ]
+        for site in self.sites:
+            self._hooks.append(
+                site.stack.register_forward_pre_hook(partial(self._before_stack, site), with_kwargs=True)
+            )
+            self._hooks.append(site.stack.register_forward_hook(partial(self._after_stack, site)))
+            for position, layer in enumerate(site.layers):
+                hook = partial(self._before_layer, site, position)
+                self._hooks.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
+        if callable(getattr(type(model), "generate", None)):
+            model.generate = self.generate  # this instance only; `detach` restores the class's method
+        model._capt_attached = True
+
+    # ------------------------------------------------------------------ adapters sharing the model
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The facts an adapter depends on; saved with it and checked when it is attached."""
+        return {
+            "model_type": getattr(self.model.config, "model_type", None),
+            "hidden_size": self.hidden_size,
+            "num_capsule_layers": [len(site.layers) for site in self.sites],
+            "capsule_roles": [site.role for site in self.sites],
+        }
+
+    def check_base_model(self, config: CaptConfig) -> None:
+        saved = config.base_model or {}
+        actual = self.fingerprint()
+        differences = [
+            f"{key}: adapter has {value!r}, model has {actual.get(key)!r}"
+            for key, value in saved.items()
+            if actual.get(key) != value
+        ]
+        if differences:
+            raise ValueError("CaPT adapter was made for another model: " + "; ".join(differences))
+
+    def check_compatible(self, config: CaptConfig, adapter_name: str) -> None:
+        """Adapters that share a model (a capsule bank) need the same layers and slot count."""
+        self.check_base_model(config)
+        if config.slots_per_layer != self.num_slots:
+            raise ValueError(
+                f"adapter {adapter_name!r} uses {config.slots_per_layer} slot(s) per layer, the adapters already on "
+                f"this model use {self.num_slots}: adapters that share a model must have the same slot count"
+            )
+        layers = [(site.role, site.stack) for site in find_sites(self.model, config)]
+        if layers != [(site.role, site.stack) for site in self.sites]:
+            raise ValueError(
+                f"adapter {adapter_name!r} puts capsules into other layers than the adapters already on this model "
+                "(CaptConfig.target / layers_path): adapters that share a model must use the same layers"
+            )
+
+    def detach(self) -> None:
+        """Remove every hook; the model is the plain base model again."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self.model.__dict__.pop("generate", None)
+        self.model._capt_attached = False
+
+    # ------------------------------------------------------------------ generation
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor | None = None,
+        *,  # the model's own generate() takes generation_config second: refuse positional use beyond the ids
+        attention_mask: torch.Tensor | None = None,
+        instance_mask: torch.Tensor | None = None,
+        adapter_names: Sequence[str] | None = None,
+        **kwargs: Any,
+    ):
+        """`generate` of the model with capsules computed once from the prompt (prefill); same output format.
+
+        Decoder-only prompts must be left-padded, as for the base model.
+        """
+        base_generate = partial(type(self.model).generate, self.model)
+        if input_ids is None:
+            input_ids = kwargs.pop("inputs", None)
+        inputs = drop_none(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        if not self.enabled:
+            return base_generate(**inputs)
+        if input_ids is not None and attention_mask is None:
+            # generate() would infer the mask from pad tokens and could mistake the slot for one.
+            pad = inputs.get("pad_token_id", self.model.generation_config.pad_token_id)
+            inputs["attention_mask"] = (input_ids != pad).long() if pad is not None else torch.ones_like(input_ids)
+        n = self.num_slots
+        roles = {site.role for site in self.sites}
+        if self.family == "encoder-decoder" and "decoder" in roles and "decoder_input_ids" not in inputs:
+            batch = (input_ids if input_ids is not None else inputs["inputs_embeds"]).shape[0]
+            start = self.model.generation_config.decoder_start_token_id
+            inputs["decoder_input_ids"] = torch.full((batch, 1), start, dtype=torch.long, device=self.model.device)
+        if "max_length" in inputs:
+            inputs["max_length"] += n
+        self._prepare_prefill(inputs, instance_mask, adapter_names or self.pending_adapter_names)
+        self._generating = True
+        try:
+            output = base_generate(**inputs)
+        finally:
+            self._generating = False
+            self._end_pass()
+        strip_prompt = "decoder" in roles and (self.family == "encoder-decoder" or "input_ids" in inputs)
+        if not strip_prompt:
+            return output
+        if isinstance(output, torch.Tensor):
+            return output[:, n:]
+        output.sequences = output.sequences[:, n:]
+        return output
+
+    # ------------------------------------------------------------------ inputs
+
+    def _role_for(self, key: str) -> str | None:
+        """Which capsule site an input stream feeds: 'decoder_*' keys feed a T5 decoder."""
+        roles = {site.role for site in self.sites}
+        if key.startswith("decoder_"):
+            return "decoder" if "decoder" in roles and self.family == "encoder-decoder" else None
+        role = "decoder" if self.family == "decoder" else "encoder"
+        return role if role in roles else None
+
+    def _output_fields(self, role: str) -> dict[str, str]:
+        if self.family != "encoder-decoder":
+            return STREAM_FIELDS["own"]
+        return STREAM_FIELDS["encoder-memory" if role == "encoder" else "decoder"]
+
+    def _prepare_prefill(
+        self, inputs: dict[str, Any], instance_mask: torch.Tensor | None, adapter_names: Sequence[str] | None
+    ) -> None:
+        """Put the slot columns in front of every stream that has capsules; record instance masks and row adapters."""
+        self._end_pass()
+        if self._role_for("input_ids") is not None:
+            mask = self._stream_instance_mask(inputs, "", instance_mask)
+            if self.family == "decoder" and "labels" in inputs and inputs["labels"].shape == mask.shape:
+                mask = mask & (inputs["labels"] == -100)  # targets never enter: no answer leakage
+            self._instance_masks[self._role_for("input_ids")] = prepend(mask, self.num_slots, False)
+            insert_slots(inputs, "", self.num_slots)
+        if self._role_for("decoder_input_ids") is not None:
+            if "decoder_input_ids" not in inputs and "decoder_inputs_embeds" not in inputs:
+                inputs["decoder_input_ids"] = self.model.prepare_decoder_input_ids_from_labels(labels=inputs["labels"])
+            # Every decoder token is a target or generated: none is an instance token.
+            mask = torch.zeros_like(self._stream_instance_mask(inputs, "decoder_", None))
+            self._instance_masks["decoder"] = prepend(mask, self.num_slots, False)
+            insert_slots(inputs, "decoder_", self.num_slots)
+        self._stream_lengths = {role: mask.shape[-1] for role, mask in self._instance_masks.items()}
+        if adapter_names is not None:
+            batch = next(iter(self._instance_masks.values())).shape[0]
+            self.row_adapters = self._checked_row_adapters(adapter_names, batch)
+
+    def _checked_row_adapters(self, adapter_names: Sequence[str], batch: int) -> list[str]:
+        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+        if len(names) != batch:
+            raise ValueError(f"adapter_names has {len(names)} entries for a batch of {batch}: give one per example")
+        for name in dict.fromkeys(names):
+            self.owner.capsules_for(name)  # raises for an adapter that is not loaded
+        return names
+
+    @staticmethod
+    def _stream_instance_mask(inputs: dict[str, Any], prefix: str, override: torch.Tensor | None) -> torch.Tensor:
+        ids, embeds = inputs.get(f"{prefix}input_ids"), inputs.get(f"{prefix}inputs_embeds")
+        if ids is None and embeds is None:
+            raise ValueError(f"pass {prefix}input_ids or {prefix}inputs_embeds")
+        shape = ids.shape if ids is not None else embeds.shape[:-1]
+        device = (ids if ids is not None else embeds).device
+        mask = inputs.get(f"{prefix}attention_mask")
+        mask = torch.ones(shape, dtype=torch.bool, device=device) if mask is None else mask.bool()
+        if override is not None:
+            if override.shape != mask.shape:
+                raise ValueError(f"instance_mask has shape {tuple(override.shape)}, the input has {tuple(mask.shape)}")
+            mask = mask & override.bool()
+        return mask
+
+    def _end_pass(self) -> None:
+        self._instance_masks.clear()
+        self._stream_lengths = {}
+        self.row_adapters = None
+
+    # ------------------------------------------------------------------ hooks
+
+    def _before_model(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        inputs = drop_none(**dict(zip(self._argument_names, args, strict=False)), **kwargs)
+        instance_mask, adapter_names = (inputs.pop(key, None) for key in CAPT_INPUTS)
+        if self.enabled and not self._generating:  # generate() prepared its inputs itself
+            if cache_is_empty(cache_of(inputs)):
+                self._prepare_prefill(inputs, instance_mask, adapter_names or self.pending_adapter_names)
+            else:
+                # Incremental decoding: the slot is already in the cache; only the masks need its column.
+                for key in ("attention_mask", "decoder_attention_mask"):
+                    if key in inputs and self._role_for(key) is not None:
+                        inputs[key] = prepend(inputs[key], self.num_slots, 1)
+        return (), inputs
+
+    def _after_model(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if self._generating:
+            return output  # every step of generate() reads the prompt's instance masks
+        lengths = self._stream_lengths
+        self._end_pass()
+        # Hidden states and attentions may be collected above the stack, so strip what is still there.
+        for role, length in lengths.items():
+            output = strip_slots(output, self.num_slots, self._output_fields(role), length)
+        return output
+
+    def _before_stack(self, site: CapsuleSite, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        mask = self._instance_masks.get(site.role)
+        if not (self.enabled and mask is not None and cache_is_empty(cache_of(kwargs))):
+            self._states[site.role] = _PassState(active=False)
+            return
+        batch, length = batch_and_length(args, kwargs)
+        mask = mask.reshape(-1, mask.shape[-1])  # multiple-choice inputs arrive flattened
+        if batch != mask.shape[0]:
+            mask = mask.repeat_interleave(batch // mask.shape[0], dim=0)  # beams / num_return_sequences
+        if length > mask.shape[1]:
+            # Uncached generation re-reads tokens generated after the prompt: never instance tokens.
+            mask = torch.nn.functional.pad(mask, (0, length - mask.shape[1]), value=False)
+        first = mask.float()
+        rest = first.clone()
+        rest[:, : self.num_slots] = 1.0
+        self._states[site.role] = _PassState(
+            active=True,
+            first_weights=first / first.sum(-1, keepdim=True).clamp(min=1.0),
+            rest_weights=rest / rest.sum(-1, keepdim=True),
+            groups=group_rows(self.row_adapters or [self.owner.active_adapter], batch, mask.device),
+        )
+
+    def _before_layer(self, site: CapsuleSite, position: int, module: nn.Module, args: tuple, kwargs: dict):
+        state = self._states.get(site.role)
+        if not self.enabled or state is None or not state.active:
+            return None
+        hidden = args[0] if args else kwargs["hidden_states"]
+        weights = state.first_weights if position == 0 else state.rest_weights
+        if weights.shape != hidden.shape[:2]:
+            raise RuntimeError(
+                f"CaPT: layer input has shape {tuple(hidden.shape[:2])} but the instance mask "
+                f"has {tuple(weights.shape)}; call the model with its whole input, not layer by layer"
+            )
+        layer = site.first_index + position
+        slots = run_by_rows(
+            state.groups,
+            lambda name, rows: self.owner.capsules_for(name)(layer, hidden[rows], weights[rows]),
+        )
+        hidden = torch.cat([slots, hidden[:, self.num_slots :]], dim=1)
+        if args:
+            return (hidden, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": hidden}
+
+    def _after_stack(self, site: CapsuleSite, module: nn.Module, args: tuple, output: Any) -> Any:
+        state = self._states.get(site.role)
+        if not site.strips_output or state is None or not state.active:
+            return output
+        return strip_slots(output, self.num_slots, STREAM_FIELDS["own"], state.first_weights.shape[-1])
