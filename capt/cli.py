@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.set_verbosity_error()  # weight-loading reports would drown the progress output
     try:
         return args.handler(args)
-    except (ValueError, FileNotFoundError, FileExistsError, OSError) as err:
+    except (ValueError, OSError, FloatingPointError) as err:
         print(f"capt {args.command}: error: {err}", file=sys.stderr)
         return 1
 
@@ -46,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="train one task with one method (one or more seeds)")
     _add_run_flags(train)
+    train.add_argument("--resume", action="store_true", help="continue an interrupted run from its checkpoint")
     train.set_defaults(handler=_train)
 
     evaluate = commands.add_parser("eval", help="score a finished run on a task's test split (official val)")
@@ -60,6 +61,13 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--methods", required=True, help="comma-separated, e.g. capt,deep-prompt,prompt,lora")
     _add_run_flags(compare, exclude=("task", "method"))
     compare.set_defaults(handler=_compare)
+    predict = commands.add_parser("predict", help="one backbone, several trained tasks, one mixed input file")
+    predict.add_argument("--adapters", required=True, help="task=RUN_DIR pairs of CaPT runs, e.g. rte=runs/a,cb=runs/b")
+    predict.add_argument("--input", required=True, help="jsonl: official SuperGLUE records, each with a 'task' field")
+    predict.add_argument("--output", required=True, help="jsonl of predictions, one per example, in input order")
+    predict.set_defaults(handler=_predict)
+
+    _add_analyze_parser(commands)
     return parser
 
 
@@ -109,20 +117,37 @@ def run_config(args: argparse.Namespace, **fixed: Any) -> RunConfig:
     return RunConfig(**settings)
 
 
-def train_seeds(config: RunConfig, seeds: int, overwrite: bool) -> dict[str, Any]:
+def train_seeds(config: RunConfig, seeds: int, overwrite: bool, resume: bool = False) -> dict[str, Any]:
     """Train `seeds` seeds (one writes into output_dir, several into output_dir/seed-<n>); output_dir/results.json
-    gets the summary over seeds (mean and std of every test metric, the per-seed results under "runs")."""
+    gets the summary over seeds (mean and std of every test metric, the per-seed results under "runs").
+
+    `resume` continues an interrupted run: finished seeds are read back, a seed with a checkpoint continues
+    from it, the others start fresh.
+    """
     from .reporting import aggregate_seeds
-    from .train import train
+    from .train import CHECKPOINT_NAME, train
 
     out = Path(config.output_dir)
-    if (out / RESULTS_NAME).exists() and not overwrite:
-        raise FileExistsError(f"{out} already holds {RESULTS_NAME}; pass --overwrite to replace it")
+    if (out / RESULTS_NAME).exists():
+        if resume:
+            return json.loads((out / RESULTS_NAME).read_text())
+        if not overwrite:
+            raise FileExistsError(f"{out} already holds {RESULTS_NAME}; pass --overwrite to replace it")
+
+    if resume and not any(out.rglob(CHECKPOINT_NAME)):
+        raise FileNotFoundError(f"cannot resume: no {CHECKPOINT_NAME} under {out}")
+
+    def run(seed_config: RunConfig) -> dict[str, Any]:
+        seed_out = Path(seed_config.output_dir)
+        if resume and seeds > 1 and (seed_out / RESULTS_NAME).exists():
+            return json.loads((seed_out / RESULTS_NAME).read_text())
+        return train(seed_config, resume=resume and (seed_out / CHECKPOINT_NAME).exists())
+
     if seeds == 1:
-        runs = [train(config)]
+        runs = [run(config)]
     else:
         runs = [
-            train(dataclasses.replace(config, seed=config.seed + k, output_dir=str(out / f"seed-{config.seed + k}")))
+            run(dataclasses.replace(config, seed=config.seed + k, output_dir=str(out / f"seed-{config.seed + k}")))
             for k in range(seeds)
         ]
     summary = aggregate_seeds(runs)
@@ -132,7 +157,7 @@ def train_seeds(config: RunConfig, seeds: int, overwrite: bool) -> dict[str, Any
 
 def _train(args: argparse.Namespace) -> int:
     config = run_config(args)
-    summary = train_seeds(config, args.seeds, args.overwrite)
+    summary = train_seeds(config, args.seeds, args.overwrite, resume=args.resume)
     _print_summary(summary)
     return 0
 
@@ -160,6 +185,17 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _predict(args: argparse.Namespace) -> int:
+    from .predict import predict_file
+
+    pairs = [item.split("=", 1) for item in args.adapters.split(",")]
+    if any(len(pair) != 2 for pair in pairs):
+        raise ValueError(f"--adapters takes task=RUN_DIR pairs separated by commas, got {args.adapters!r}")
+    count = predict_file({task: Path(run) for task, run in pairs}, Path(args.input), Path(args.output))
+    print(f"{count} predictions written to {args.output}")
+    return 0
+
+
 def _compare(args: argparse.Namespace) -> int:
     from .reporting import comparison_table
 
@@ -182,6 +218,65 @@ def _compare(args: argparse.Namespace) -> int:
         json.dumps([{k: v for k, v in r.items() if k != "runs"} for r in results], indent=2) + "\n"
     )
     print(table)
+    return 0
+
+
+def _add_analyze_parser(commands: argparse._SubParsersAction) -> None:
+    """`capt analyze attention | instance-token`: the paper's analyses, one report folder per run."""
+    analyze = commands.add_parser("analyze", help="attention anchors and instance tokens of trained adapters")
+    analyses = analyze.add_subparsers(dest="analysis", required=True)
+
+    attention = analyses.add_parser(
+        "attention", help="attention maps and anchor numbers of CaPT / Deep Prompt-Tuning runs and their base model"
+    )
+    attention.add_argument("--run", action="append", default=[], help="a run folder from `capt train` (repeatable)")
+    attention.add_argument("--model", help="without --run: a bare model (e.g. minilm, tiny-t5), needs --task")
+    attention.add_argument("--task", help="default: the runs' task")
+    attention.add_argument("--examples", type=int, default=32, help="examples to sample")
+    attention.add_argument("--seed", type=int, default=0, help="seed of the example sample")
+    attention.add_argument("--split", choices=("test", "validation", "train"), default="test")
+    attention.add_argument("--max-length", type=int, help="truncate inputs here (default: the runs')")
+    attention.add_argument("--max-tokens", type=int, default=48, help="tokens drawn per heatmap axis")
+    attention.add_argument("--data-dir", help="SuperGLUE folder (default: the run's, or CAPT_DATA_DIR)")
+    attention.add_argument("--output-dir", required=True, help="report folder (PNGs, attention.json, report.md)")
+    attention.set_defaults(handler=_analyze_attention)
+
+    instance = analyses.add_parser(
+        "instance-token", help="score a prompt-tuned run with k training-free instance tokens (Finding II)"
+    )
+    instance.add_argument("--run", required=True, help="a deep-prompt run folder from `capt train`")
+    instance.add_argument("--ks", default="0,1,2,4", help="comma-separated numbers of instance tokens")
+    instance.add_argument("--split", choices=("test", "validation"), default="test")
+    instance.add_argument("--data-dir", help="SuperGLUE folder (default: the run's, or CAPT_DATA_DIR)")
+    instance.add_argument("--output-dir", required=True, help="report folder (PNG, instance_tokens.json, report.md)")
+    instance.set_defaults(handler=_analyze_instance_token)
+
+
+def _analyze_attention(args: argparse.Namespace) -> int:
+    from .analysis import AttentionOptions, write_attention_report
+
+    options = AttentionOptions(
+        output_dir=args.output_dir,
+        runs=args.run,
+        model=args.model,
+        task=args.task,
+        examples=args.examples,
+        seed=args.seed,
+        split=args.split,
+        max_length=args.max_length,
+        max_tokens=args.max_tokens,
+        data_dir=args.data_dir,
+    )
+    print(f"attention report: {write_attention_report(options)}")
+    return 0
+
+
+def _analyze_instance_token(args: argparse.Namespace) -> int:
+    from .analysis import InstanceTokenOptions, write_instance_token_report
+
+    ks = [int(k) for k in args.ks.split(",")]
+    options = InstanceTokenOptions(args.run, args.output_dir, ks=ks, split=args.split, data_dir=args.data_dir)
+    print(f"instance-token report: {write_instance_token_report(options)}")
     return 0
 
 

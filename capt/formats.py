@@ -115,7 +115,10 @@ class OptionScoringFormat(TaskFormat):
         # Truncate from the left: the end of a prompt ("... Answer:") is what the options continue.
         source = source[-room:] if self._shares_length else source[:room]
         rows = self._rows(source, targets)
-        return {"rows": rows, "label": example.label, "length": max(len(r["input_ids"]) for r in rows)}
+        length = max(len(r["input_ids"]) for r in rows)
+        # Options as the tokenizer writes them back, so generated text compares like for like.
+        decoded = [self.tokenizer.decode(t, skip_special_tokens=True).strip() for t in targets]
+        return {"rows": rows, "label": example.label, "length": length, "option_texts": decoded}
 
     def _collate_rows(self, rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
         return {
@@ -131,6 +134,7 @@ class OptionScoringFormat(TaskFormat):
             "train_inputs": self._collate_rows(gold) if gold else None,
             "score_inputs": self._collate_rows(everything),
             "options": [len(f["rows"]) for f in features],
+            "option_texts": [f["option_texts"] for f in features],
             "labels": torch.tensor([f["label"] if f["label"] is not None else -100 for f in features]),
         }
 
@@ -148,10 +152,30 @@ class OptionScoringFormat(TaskFormat):
 class T5Format(OptionScoringFormat):
     """Text-to-text: `rte hypothesis: ... premise: ...` -> `entailment` / `not_entailment`."""
 
+    generate: bool = False  # predict by greedy decoding + exact match instead of comparing likelihoods
+
     _special_in_source = True
     _special_in_targets = True
     _shares_length = False  # source and target are separate sequences
     _shifted = False  # decoder logits at position t predict label t
+
+    def predict(self, model, batch):
+        if not self.generate:
+            return super().predict(model, batch)
+        inputs, options = batch["score_inputs"], batch["options"]
+        first_rows = torch.tensor([0, *torch.tensor(options).cumsum(0)[:-1].tolist()])  # one row per example
+        generated = model.generate(
+            input_ids=inputs["input_ids"][first_rows],
+            attention_mask=inputs["attention_mask"][first_rows],
+            max_new_tokens=inputs["labels"].shape[1] + 1,
+            do_sample=False,
+        )
+        texts = self.tokenizer.batch_decode(generated, skip_special_tokens=True)
+        # An answer that is none of the options is wrong: -1 matches no label.
+        return [
+            next((i for i, o in enumerate(opts) if o.strip() == text.strip()), -1)
+            for text, opts in zip(texts, batch["option_texts"], strict=True)
+        ]
 
     def _option_texts(self, example):
         words = list(example.candidates) if is_choice_task(self.task) else tpl.t5_label_words(self.task)
@@ -187,8 +211,11 @@ def head_outputs(task: str) -> int:
     return 1 if is_choice_task(task) else len(TASKS[task].labels)
 
 
-def make_format(family: str, task: str, tokenizer: PreTrainedTokenizerBase, max_length: int) -> TaskFormat:
-    return FORMATS[family](task=task, tokenizer=tokenizer, max_length=max_length)
+def make_format(
+    family: str, task: str, tokenizer: PreTrainedTokenizerBase, max_length: int, t5_generate: bool = False
+) -> TaskFormat:
+    options = {"generate": t5_generate} if family == "encoder-decoder" else {}
+    return FORMATS[family](task=task, tokenizer=tokenizer, max_length=max_length, **options)
 
 
 def target_logprobs(logits: torch.Tensor, labels: torch.Tensor, shifted: bool) -> torch.Tensor:

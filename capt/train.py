@@ -39,6 +39,7 @@ RESULTS_NAME = "results.json"
 RUN_CONFIG_NAME = "run_config.json"
 TRAINABLE_NAME = "trainable.safetensors"
 CHECKPOINT_NAME = "checkpoint.pt"
+FEATURES_VERSION = 2  # bump when TaskFormat.encode changes, so cached tokenisations are rebuilt
 # Learning rates that train each method sensibly with AdamW on the MiniLM (override with --lr).
 DEFAULT_LR = {
     "capt": 1e-2,
@@ -81,6 +82,7 @@ class RunConfig:
     deep_prompt_slots: int = 10
     virtual_tokens: int = 20
     lora_rank: int = 8
+    t5_generate: bool = False  # T5: predict by greedy decoding + exact match instead of label-word likelihoods
     checkpoint_every: int = 50  # batches between crash-safe checkpoints (0: only at epoch ends)
     trust_remote_code: bool = False  # run code shipped with a Hub model (off unless asked)
     cache_dir: str = field(default_factory=lambda: str(Path.home() / ".cache" / "capt" / "features"))
@@ -326,7 +328,7 @@ def build_model(config: RunConfig) -> tuple[nn.Module, TaskFormat]:
     backbone = load_backbone(
         config.model, num_labels=head_outputs(config.task), seed=config.seed, trust_remote_code=config.trust_remote_code
     )
-    fmt = make_format(backbone.family, config.task, backbone.tokenizer, config.max_length)
+    fmt = make_format(backbone.family, config.task, backbone.tokenizer, config.max_length, config.t5_generate)
     return apply_method(backbone, config.method, config.method_options()), fmt
 
 
@@ -351,7 +353,7 @@ def evaluate(
     if fmt.task == "record":
         return task_metrics(
             "record",
-            [ex.candidates[p] for ex, p in zip(examples, preds, strict=True)],
+            [ex.candidates[p] if p >= 0 else "" for ex, p in zip(examples, preds, strict=True)],  # -1: no match
             [list(ex.answers) for ex in examples],
         )
     return task_metrics(fmt.task, preds, [ex.label for ex in examples], groups=[ex.group for ex in examples])
@@ -374,6 +376,7 @@ def encode_cached(fmt: TaskFormat, examples: list[Example], config: RunConfig) -
     """Tokenise once per (task, split content, tokenizer, family, max length); later runs read the cache."""
     key = json.dumps(
         [
+            FEATURES_VERSION,
             type(fmt).__name__,
             fmt.task,
             fmt.max_length,

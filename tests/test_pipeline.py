@@ -177,3 +177,24 @@ def test_shipped_configs_are_valid_run_configs(config):
 
     args = _parser().parse_args(["train", "--config", str(config)])
     assert run_config(args).model
+
+
+def test_t5_generation_mode_predicts_by_exact_match(tmp_path):
+    backbone, fmt, batch = _fixed_batch("tiny-t5", count=4)
+    model = apply_method(backbone, "full")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    for _ in range(80):  # overfit four examples until their label words are what greedy decoding writes
+        loss = fmt.loss(model, batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    generating = make_format(backbone.family, "rte", backbone.tokenizer, 128, t5_generate=True)
+    model.eval()
+    with torch.no_grad():
+        assert generating.predict(model, batch) == batch["labels"].tolist() == fmt.predict(model, batch)
+        untrained = apply_method(load_backbone("tiny-t5"), "capt")
+        assert -1 in generating.predict(untrained, batch)  # random text matches no label word
+    out = tmp_path / "run"
+    argv = ["train", "--model", "tiny-t5", "--task", "rte", "--epochs", "1", "--t5-generate", "--output-dir", str(out)]
+    assert main([*argv, *QUICK]) == 0
+    assert "accuracy" in json.loads((out / "results.json").read_text())["test"]

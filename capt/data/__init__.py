@@ -10,6 +10,7 @@ from .superglue import (
     TaskInfo,
     load_split,
     paper_splits,
+    parse_record,
     resolve_data_dir,
 )
 from .templates import (
@@ -38,6 +39,7 @@ __all__ = [
     "lm_prompt",
     "load_split",
     "paper_splits",
+    "parse_record",
     "resolve_data_dir",
     "t5_input",
     "t5_label_words",

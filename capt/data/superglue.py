@@ -203,8 +203,15 @@ def _label(row: dict[str, Any], task: str, split: str, allowed: tuple[Any, ...],
     raise DataFormatError(f"{where}: unknown {task} label {raw!r}; allowed: {list(allowed)}")
 
 
-def _flat_example(task: str, row: dict[str, Any], where: str, label: int | None, idx: int | str,
-                  group: str | None = None, doc: str | None = None) -> Example:
+def _flat_example(
+    task: str,
+    row: dict[str, Any],
+    where: str,
+    label: int | None,
+    idx: int | str,
+    group: str | None = None,
+    doc: str | None = None,
+) -> Example:
     fields: dict[str, str | int] = {key: _get(row, key, where) for key in _TEXT_FIELDS[task]}
     fields.update({key: _get(row, key, where, int) for key in _INT_FIELDS.get(task, ())})
     if task == "copa" and fields["question"] not in ("cause", "effect"):
@@ -221,8 +228,15 @@ def _record_example(row: dict[str, Any], split: str, where: str, passage_id: int
         raise DataFormatError(f"{where}: no gold answer {list(answers)} is among the entities")
     if not answers and split != "test":
         raise DataFormatError(f"{where}: query {query_id} has no gold answers")
-    ex = _flat_example("record", row, where, gold[0] if gold else None, f"p{passage_id}-q{query_id}",
-                       group=f"p{passage_id}-q{query_id}", doc=f"p{passage_id}")
+    ex = _flat_example(
+        "record",
+        row,
+        where,
+        gold[0] if gold else None,
+        f"p{passage_id}-q{query_id}",
+        group=f"p{passage_id}-q{query_id}",
+        doc=f"p{passage_id}",
+    )
     return replace(ex, candidates=candidates, answers=answers)
 
 
@@ -238,25 +252,43 @@ def _local_examples(task: str, record: Any, split: str, where: str) -> list[Exam
             for answer in _get(question, "answers", where, list):
                 aid = _get(answer, "idx", where, int)
                 at = f"{where} (question {qid}, answer {aid})"
-                row = {"paragraph": paragraph, "question": _get(question, "question", at),
-                       "answer": _get(answer, "text", at)}
-                out.append(_flat_example(task, row, at, _label(answer, task, split, allowed, at),
-                                         f"p{pid}-q{qid}-a{aid}", group=f"p{pid}-q{qid}", doc=f"p{pid}"))
+                row = {
+                    "paragraph": paragraph,
+                    "question": _get(question, "question", at),
+                    "answer": _get(answer, "text", at),
+                }
+                out.append(
+                    _flat_example(
+                        task,
+                        row,
+                        at,
+                        _label(answer, task, split, allowed, at),
+                        f"p{pid}-q{qid}-a{aid}",
+                        group=f"p{pid}-q{qid}",
+                        doc=f"p{pid}",
+                    )
+                )
         return out
     if task == "record":
         passage = _get(record, "passage", where, dict)
         text = _get(passage, "text", where)
         # Entity spans are inclusive of `end` in the official release.
-        entities = [text[_get(e, "start", where, int): _get(e, "end", where, int) + 1]
-                    for e in _get(passage, "entities", where, list)]
+        entities = [
+            text[_get(e, "start", where, int) : _get(e, "end", where, int) + 1]
+            for e in _get(passage, "entities", where, list)
+        ]
         out = []
         for qa in _get(record, "qas", where, list):
             qid = _get(qa, "idx", where, int)
             at = f"{where} (query {qid})"
             # Official test queries come without answers; elsewhere they are required.
             golds = qa.get("answers", []) if split == "test" else _get(qa, "answers", at, list)
-            row = {"passage": text, "query": _get(qa, "query", at), "entities": entities,
-                   "answers": [_get(a, "text", at) for a in golds]}
+            row = {
+                "passage": text,
+                "query": _get(qa, "query", at),
+                "entities": entities,
+                "answers": [_get(a, "text", at) for a in golds],
+            }
             out.append(_record_example(row, split, at, _get(record, "idx", where, int), qid))
         return out
     label = _label(record, task, split, allowed, where)
@@ -265,12 +297,19 @@ def _local_examples(task: str, record: Any, split: str, where: str) -> list[Exam
     return [_flat_example(task, record, where, label, _get(record, "idx", where, int))]
 
 
+def parse_record(task: str, record: dict[str, Any], where: str = "record") -> list[Example]:
+    """Examples from one record in the official jsonl format (a line of <Task>/<split>.jsonl); the label is
+    optional, as in a test file. `where` names the record in error messages (e.g. "file.jsonl:3")."""
+    return _local_examples(_check_task(task), record, "test", where)
+
+
 def _load_local(task: str, split: str, root: Path) -> list[Example]:
     path = root / TASKS[task].folder / f"{split}.jsonl"
     if not path.is_file():
         raise DataNotFoundError(
             f"{path} not found: data folder {root} has no SuperGLUE {TASKS[task].folder} {split} split "
-            "(expected the official layout <dir>/<Task>/<split>.jsonl)")
+            "(expected the official layout <dir>/<Task>/<split>.jsonl)"
+        )
     examples: list[Example] = []
     with path.open(encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, start=1):
@@ -314,6 +353,7 @@ def _load_hub(task: str, split: str) -> list[Example]:
             f"SuperGLUE {task} {split} not available: no data folder is set and the Hub dataset "
             f"{HUB_DATASET} ({config}) could not be loaded ({type(exc).__name__}: {exc}). Either pass "
             "--data-dir / set CAPT_DATA_DIR to a folder with <Task>/<split>.jsonl (official SuperGLUE "
-            f"layout), or go online so datasets can download {HUB_DATASET}.") from exc
+            f"layout), or go online so datasets can download {HUB_DATASET}."
+        ) from exc
     where = f"{HUB_DATASET}/{config} {split}"
     return [_hub_example(task, row, split, f"{where} row {i}") for i, row in enumerate(rows)]
