@@ -15,6 +15,7 @@ import torch
 from .backbones import load_backbone
 from .bank import load_bank
 from .data import TASKS, DataFormatError, Example, parse_record
+from .data.superglue import read_jsonl
 from .formats import head_outputs, make_format
 from .train import RUN_CONFIG_NAME, RunConfig
 
@@ -22,14 +23,7 @@ from .train import RUN_CONFIG_NAME, RunConfig
 def read_mixed_input(path: Path, tasks: set[str]) -> list[tuple[int, str, list[Example]]]:
     """(line number, task, examples) per non-empty line; a bad line names the file and line."""
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataFormatError(f"{where}: malformed JSON ({err.msg})") from err
+    for where, number, record in read_jsonl(path):
         task = record.pop("task", None) if isinstance(record, dict) else None
         if task not in tasks:
             raise DataFormatError(f"{where}: field 'task' is {task!r}; this bank serves {sorted(tasks)}")

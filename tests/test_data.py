@@ -26,12 +26,24 @@ def record_dir(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("task,split,count", [
-    ("cb", "train", 250), ("cb", "val", 56), ("copa", "train", 400), ("copa", "val", 100),
-    ("rte", "train", 2490), ("rte", "val", 277), ("wic", "train", 5428), ("wic", "val", 638),
-    ("wsc", "train", 554), ("wsc", "val", 104), ("boolq", "val", 3270),
-    ("multirc", "train", 27243), ("multirc", "val", 4848),
-])
+@pytest.mark.parametrize(
+    "task,split,count",
+    [
+        ("cb", "train", 250),
+        ("cb", "val", 56),
+        ("copa", "train", 400),
+        ("copa", "val", 100),
+        ("rte", "train", 2490),
+        ("rte", "val", 277),
+        ("wic", "train", 5428),
+        ("wic", "val", 638),
+        ("wsc", "train", 554),
+        ("wsc", "val", 104),
+        ("boolq", "val", 3270),
+        ("multirc", "train", 27243),
+        ("multirc", "val", 4848),
+    ],
+)
 def test_official_counts_and_unique_ids(task, split, count):
     examples = load_split(task, split, DATA)
     assert len(examples) == count
@@ -39,12 +51,20 @@ def test_official_counts_and_unique_ids(task, split, count):
     assert all(ex.task == task for ex in examples)
 
 
-@pytest.mark.parametrize("task,split,balance", [
-    ("rte", "val", {0: 146, 1: 131}), ("rte", "train", {0: 1249, 1: 1241}),
-    ("cb", "train", {0: 115, 1: 119, 2: 16}), ("cb", "val", {0: 23, 1: 28, 2: 5}),
-    ("copa", "val", {0: 55, 1: 45}), ("wic", "val", {0: 319, 1: 319}), ("wsc", "val", {1: 38, 0: 66}),
-    ("boolq", "val", {1: 2033, 0: 1237}), ("multirc", "val", {1: 2075, 0: 2773}),
-])
+@pytest.mark.parametrize(
+    "task,split,balance",
+    [
+        ("rte", "val", {0: 146, 1: 131}),
+        ("rte", "train", {0: 1249, 1: 1241}),
+        ("cb", "train", {0: 115, 1: 119, 2: 16}),
+        ("cb", "val", {0: 23, 1: 28, 2: 5}),
+        ("copa", "val", {0: 55, 1: 45}),
+        ("wic", "val", {0: 319, 1: 319}),
+        ("wsc", "val", {1: 38, 0: 66}),
+        ("boolq", "val", {1: 2033, 0: 1237}),
+        ("multirc", "val", {1: 2075, 0: 2773}),
+    ],
+)
 def test_labels_are_mapped_to_ids(task, split, balance):
     assert Counter(ex.label for ex in load_split(task, split, DATA)) == balance
 
@@ -55,15 +75,19 @@ def test_fields_of_real_examples():
     wsc = load_split("wsc", "train", DATA)[0]
     assert [wsc.fields[k] for k in ("span1_text", "span2_text", "span2_index")] == ["Mark", "He", 13]
     wic = load_split("wic", "val", DATA)[0]
-    assert wic.fields["sentence1"][wic.fields["start1"]:wic.fields["end1"]] == "class"
+    assert wic.fields["sentence1"][wic.fields["start1"] : wic.fields["end1"]] == "class"
 
 
 def test_multirc_is_flattened_per_answer_with_question_groups():
     val = load_split("multirc", "val", DATA)
     assert len({ex.group for ex in val}) == 953 and len({ex.doc for ex in val}) == 83
     first = [ex for ex in val if ex.group == val[0].group]
-    assert [ex.fields["answer"] for ex in first] == ["No", "Yes", "Less the mass, less the force applied",
-                                                     "It depends on the shape of the baseball"]
+    assert [ex.fields["answer"] for ex in first] == [
+        "No",
+        "Yes",
+        "Less the mass, less the force applied",
+        "It depends on the shape of the baseball",
+    ]
     assert [ex.label for ex in first] == [0, 1, 1, 0]
     assert len({ex.group for ex in load_split("multirc", "train", DATA)}) == 5131
 
@@ -93,13 +117,16 @@ def _write(root: Path, task_folder: str, split: str, lines: list[str]) -> Path:
 GOOD_RTE = json.dumps({"premise": "p", "hypothesis": "h", "label": "entailment", "idx": 0})
 
 
-@pytest.mark.parametrize("bad_line,line_no,words", [
-    ('{"premise": "p", "hypothesis": ', 3, ["malformed JSON"]),
-    ('{"premise": "p", "label": "entailment", "idx": 1}', 3, ["'hypothesis'"]),
-    ('{"premise": "p", "hypothesis": "h", "label": "maybe", "idx": 1}', 3, ["'maybe'", "not_entailment"]),
-    ('{"premise": "p", "hypothesis": "h", "label": true, "idx": 1}', 3, ["True"]),
-    ('{"premise": "p", "hypothesis": 7, "label": "entailment", "idx": 1}', 3, ["'hypothesis'", "int"]),
-])
+@pytest.mark.parametrize(
+    "bad_line,line_no,words",
+    [
+        ('{"premise": "p", "hypothesis": ', 3, ["malformed JSON"]),
+        ('{"premise": "p", "label": "entailment", "idx": 1}', 3, ["'hypothesis'"]),
+        ('{"premise": "p", "hypothesis": "h", "label": "maybe", "idx": 1}', 3, ["'maybe'", "not_entailment"]),
+        ('{"premise": "p", "hypothesis": "h", "label": true, "idx": 1}', 3, ["True"]),
+        ('{"premise": "p", "hypothesis": 7, "label": "entailment", "idx": 1}', 3, ["'hypothesis'", "int"]),
+    ],
+)
 def test_bad_lines_name_file_and_line(tmp_path, bad_line, line_no, words):
     path = _write(tmp_path, "RTE", "train", [GOOD_RTE, "", bad_line])  # the blank line is skipped but counted
     with pytest.raises(DataFormatError) as err:
@@ -168,8 +195,10 @@ def test_offline_without_data_dir_gives_one_error_naming_both_ways(monkeypatch, 
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         monkeypatch.setenv(name, "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty cache, so nothing can be found offline
-    code = ("from capt.data import load_split, DataNotFoundError\n"
-            "try:\n    load_split('rte', 'val')\nexcept DataNotFoundError as e:\n    print('ERR', e)\n")
+    code = (
+        "from capt.data import load_split, DataNotFoundError\n"
+        "try:\n    load_split('rte', 'val')\nexcept DataNotFoundError as e:\n    print('ERR', e)\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.startswith("ERR"), result.stderr
     for words in ("--data-dir", "CAPT_DATA_DIR", "<Task>/<split>.jsonl", "aps/super_glue", "online"):
@@ -183,19 +212,35 @@ def _hub_rows(task: str, path: Path) -> list[dict]:
         if task == "rte":
             rows.append({**record, "label": ["entailment", "not_entailment"].index(record["label"])})
         elif task == "wsc":
-            rows.append({"text": record["text"], **record["target"], "idx": record["idx"],
-                         "label": int(record["label"])})
+            rows.append(
+                {"text": record["text"], **record["target"], "idx": record["idx"], "label": int(record["label"])}
+            )
         elif task == "multirc":
             passage = record["passage"]
-            rows += [{"paragraph": passage["text"], "question": q["question"], "answer": a["text"],
-                      "idx": {"paragraph": record["idx"], "question": q["idx"], "answer": a["idx"]},
-                      "label": a["label"]} for q in passage["questions"] for a in q["answers"]]
+            rows += [
+                {
+                    "paragraph": passage["text"],
+                    "question": q["question"],
+                    "answer": a["text"],
+                    "idx": {"paragraph": record["idx"], "question": q["idx"], "answer": a["idx"]},
+                    "label": a["label"],
+                }
+                for q in passage["questions"]
+                for a in q["answers"]
+            ]
         else:
             text = record["passage"]["text"]
-            entities = sorted({text[e["start"]:e["end"] + 1] for e in record["passage"]["entities"]})
-            rows += [{"passage": text, "query": qa["query"], "entities": entities,
-                      "answers": sorted({a["text"] for a in qa["answers"]}),
-                      "idx": {"passage": record["idx"], "query": qa["idx"]}} for qa in record["qas"]]
+            entities = sorted({text[e["start"] : e["end"] + 1] for e in record["passage"]["entities"]})
+            rows += [
+                {
+                    "passage": text,
+                    "query": qa["query"],
+                    "entities": entities,
+                    "answers": sorted({a["text"] for a in qa["answers"]}),
+                    "idx": {"passage": record["idx"], "query": qa["idx"]},
+                }
+                for qa in record["qas"]
+            ]
     return rows
 
 
@@ -237,8 +282,10 @@ def test_paper_split_is_deterministic_per_seed():
 
 
 def test_paper_split_keeps_a_tiny_class_on_both_sides(tmp_path):
-    lines = [json.dumps({"premise": "p", "hypothesis": "h", "label": label, "idx": i})
-             for i, label in enumerate(["entailment"] * 20 + ["neutral"] * 2 + ["contradiction"])]
+    lines = [
+        json.dumps({"premise": "p", "hypothesis": "h", "label": label, "idx": i})
+        for i, label in enumerate(["entailment"] * 20 + ["neutral"] * 2 + ["contradiction"])
+    ]
     _write(tmp_path, "CB", "train", lines)
     _write(tmp_path, "CB", "val", lines[:1])
     parts = paper_splits("cb", tmp_path)
@@ -253,7 +300,8 @@ def test_paper_split_never_splits_a_multirc_passage():
     assert not {ex.group for ex in parts["train"]} & {ex.group for ex in parts["validation"]}
     assert len(parts["train"]) + len(parts["validation"]) == 27243
     assert [ex.idx for ex in paper_splits("multirc", DATA, seed=3)["validation"]] == [
-        ex.idx for ex in parts["validation"]]
+        ex.idx for ex in parts["validation"]
+    ]
 
 
 def test_paper_split_rejects_bad_fraction():

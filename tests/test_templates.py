@@ -48,8 +48,9 @@ def test_encoder_pairs(val):
     assert boolq.fields["question"] == "does ethanol take more energy make that produces"
     assert encoder_text(wic) == ("class: An emerging professional class.", wic.fields["sentence2"])
     assert encoder_text(wsc) == (wsc.fields["text"], "him refers to anyone")
-    assert encoder_text(multirc)[1] == ("Would the mass of a baseball affect how much force you have to use "
-                                        "to pick it up? No")
+    assert encoder_text(multirc)[1] == (
+        "Would the mass of a baseball affect how much force you have to use to pick it up? No"
+    )
     with pytest.raises(ValueError, match="encoder_choices"):
         encoder_text(val["copa"][0])
     with pytest.raises(ValueError, match="encoder_text"):
@@ -58,8 +59,10 @@ def test_encoder_pairs(val):
 
 def test_encoder_choices(val):
     effect = val["copa"][0]  # "The man turned on the faucet." effect; label 1
-    assert encoder_choices(effect) == [("The man turned on the faucet so", "the toilet filled with water."),
-                                       ("The man turned on the faucet so", "water flowed from the spout.")]
+    assert encoder_choices(effect) == [
+        ("The man turned on the faucet so", "the toilet filled with water."),
+        ("The man turned on the faucet so", "water flowed from the spout."),
+    ]
     cause = next(ex for ex in val["copa"] if ex.fields["question"] == "cause")
     assert all(text.endswith(" because") for text, _ in encoder_choices(cause))
     record = val["record"][0]
@@ -73,10 +76,12 @@ def test_t5_inputs(val):
     assert t5_input(val["rte"][0]) == (
         "rte hypothesis: Christopher Reeve had an accident. premise: Dana Reeve, the widow of the actor "
         "Christopher Reeve, has died of lung cancer at age 44, according to the Christopher Reeve "
-        "Foundation.")
+        "Foundation."
+    )
     assert t5_input(val["copa"][0]) == (
         "copa choice1: The toilet filled with water. choice2: Water flowed from the spout. "
-        "premise: The man turned on the faucet. question: effect")
+        "premise: The man turned on the faucet. question: effect"
+    )
     assert t5_input(val["wic"][0]).startswith("wic sentence1: An emerging professional class. sentence2: ")
     assert t5_input(val["wic"][0]).endswith(" word: class")
     assert t5_input(val["boolq"][0]).startswith("boolq passage: Ethanol fuel -- ")
@@ -84,7 +89,8 @@ def test_t5_inputs(val):
     assert t5_input(val["cb"][0]).startswith("cb hypothesis: Valence was helping premise: Valence the void")
     assert t5_input(val["multirc"][0]).startswith(
         "multirc question: Would the mass of a baseball affect how much force you have to use to pick it up? "
-        "answer: No paragraph: What causes")
+        "answer: No paragraph: What causes"
+    )
     assert t5_input(val["wsc"][0]).startswith("wsc span1_text: anyone span2_text: him text: Bernard , who")
     record = t5_input(val["record"][0])
     assert record.startswith("record query: Speaking after the game") and "@highlight" not in record
@@ -99,10 +105,16 @@ def test_t5_strips_multirc_markup(val):
     assert t5_input(marked).endswith("paragraph: Sent 1: One. Sent 2: Two.")
 
 
-@pytest.mark.parametrize("task,words", [
-    ("cb", ["entailment", "contradiction", "neutral"]), ("rte", ["entailment", "not_entailment"]),
-    ("copa", ["choice1", "choice2"]), ("boolq", ["False", "True"]), ("multirc", ["False", "True"]),
-])
+@pytest.mark.parametrize(
+    "task,words",
+    [
+        ("cb", ["entailment", "contradiction", "neutral"]),
+        ("rte", ["entailment", "not_entailment"]),
+        ("copa", ["choice1", "choice2"]),
+        ("boolq", ["False", "True"]),
+        ("multirc", ["False", "True"]),
+    ],
+)
 def test_t5_label_words(task, words):
     assert t5_label_words(task) == words
 
@@ -143,10 +155,18 @@ def test_lm_wsc_marks_a_pronoun_at_index_zero(val):
     assert lm_prompt(first).startswith("Passage: *He* left.\n")
 
 
-@pytest.mark.parametrize("task,label,word", [
-    ("rte", 0, " True"), ("rte", 1, " False"), ("cb", 2, " Neither"), ("boolq", 1, " yes"), ("wic", 0, " no"),
-    ("wsc", 1, " yes"), ("multirc", 1, " yes"),
-])
+@pytest.mark.parametrize(
+    "task,label,word",
+    [
+        ("rte", 0, " True"),
+        ("rte", 1, " False"),
+        ("cb", 2, " Neither"),
+        ("boolq", 1, " yes"),
+        ("wic", 0, " no"),
+        ("wsc", 1, " yes"),
+        ("multirc", 1, " yes"),
+    ],
+)
 def test_lm_choice_index_is_label_id(val, task, label, word):
     assert lm_choices(val[task][0])[label] == word
     assert len(lm_choices(val[task][0])) == len(TASKS[task].labels)

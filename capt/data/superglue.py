@@ -7,6 +7,7 @@ import json
 import os
 import random
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -311,20 +312,25 @@ def _load_local(task: str, split: str, root: Path) -> list[Example]:
             "(expected the official layout <dir>/<Task>/<split>.jsonl)"
         )
     examples: list[Example] = []
+    for where, _, record in read_jsonl(path):
+        new = _local_examples(task, record, split, where)
+        if not new:  # e.g. a MultiRC paragraph without questions: say so rather than yield nothing
+            raise DataFormatError(f"{where}: record holds no examples")
+        examples.extend(new)
+    return examples
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[str, int, Any]]:
+    """("file:line", line number, record) per non-empty line; malformed JSON raises DataFormatError saying where."""
     with path.open(encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, start=1):
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
             try:
-                record = json.loads(line)
+                yield where, lineno, json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DataFormatError(f"{where}: malformed JSON ({exc.msg})") from exc
-            new = _local_examples(task, record, split, where)
-            if not new:  # e.g. a MultiRC paragraph without questions: say so rather than yield nothing
-                raise DataFormatError(f"{where}: record holds no examples")
-            examples.extend(new)
-    return examples
 
 
 def _hub_example(task: str, row: dict[str, Any], split: str, where: str) -> Example:

@@ -97,8 +97,10 @@ def t5_input(example: Example) -> str:
     """T5 text-to-text input, e.g. "rte hypothesis: ... premise: ..."."""
     f = _strs(example)
     if example.task == "record":
-        return (f"record query: {f['query']} entities: {', '.join(example.candidates)} "
-                f"passage: {_record_passage(f['passage'])}")
+        return (
+            f"record query: {f['query']} entities: {', '.join(example.candidates)} "
+            f"passage: {_record_passage(f['passage'])}"
+        )
     if example.task == "multirc":
         f["paragraph"] = _paragraph(f["paragraph"])
     return " ".join([example.task] + [f"{key}: {f[key]}" for key in _T5_KEYS[example.task]])
@@ -133,7 +135,7 @@ def _wsc_passage(f: dict[str, str]) -> str:
     pre = " ".join(text.split()[: int(f["span2_index"])])
     start = len(pre) + 1 if pre else 0  # lm-eval assumes a separating space; at index 0 there is none
     marked = f"{pre} *{pronoun}*" if pre else f"*{pronoun}*"
-    return _detokenize(marked + text[start + len(pronoun):])
+    return _detokenize(marked + text[start + len(pronoun) :])
 
 
 def lm_prompt(example: Example) -> str:
@@ -148,16 +150,19 @@ def lm_prompt(example: Example) -> str:
     if task == "copa":
         return f"{_drop_final_punct(f['premise'])} {'because' if f['question'] == 'cause' else 'therefore'}"
     if task == "wic":
-        word = f["sentence1"][int(f["start1"]): int(f["end1"])]
-        return (f"Sentence 1: {f['sentence1']}\nSentence 2: {f['sentence2']}\nQuestion: Is the word '{word}' "
-                "used in the same way in the two sentences above?\nAnswer:")
+        word = f["sentence1"][int(f["start1"]) : int(f["end1"])]
+        return (
+            f"Sentence 1: {f['sentence1']}\nSentence 2: {f['sentence2']}\nQuestion: Is the word '{word}' "
+            "used in the same way in the two sentences above?\nAnswer:"
+        )
     if task == "wsc":
-        return (f"Passage: {_wsc_passage(f)}\nQuestion: In the passage above, does the pronoun "
-                f"\"*{f['span2_text']}*\" refer to \"*{f['span1_text']}*\"?\nAnswer:")
+        return (
+            f"Passage: {_wsc_passage(f)}\nQuestion: In the passage above, does the pronoun "
+            f'"*{f["span2_text"]}*" refer to "*{f["span1_text"]}*"?\nAnswer:'
+        )
     if task == "multirc":
         # lm-eval puts the answer into each choice; here it is in the prompt so the choices are plain no/yes.
-        return (f"{_paragraph(f['paragraph'])}\nQuestion: {f['question']}\nAnswer: {f['answer']}\n"
-                "Is the answer correct?")
+        return f"{_paragraph(f['paragraph'])}\nQuestion: {f['question']}\nAnswer: {f['answer']}\nIs the answer correct?"
     initial, *highlights = f["passage"].strip().split("\n@highlight\n")
     return initial + "\n\n" + "".join(f"  - {h}.\n" for h in highlights)
 
