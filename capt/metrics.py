@@ -101,9 +101,7 @@ def record_scores(pred_texts: Sequence[str], gold_answer_lists: Sequence[Sequenc
     }
 
 
-def task_metrics(
-    task: str, preds: Sequence, labels: Sequence, groups: Sequence[str] | None = None
-) -> dict[str, float]:
+def task_metrics(task: str, preds: Sequence, labels: Sequence, groups: Sequence[str] | None = None) -> dict[str, float]:
     """The task's SuperGLUE metrics plus "score", the number that enters the SuperGLUE average.
 
     Label tasks take int predictions and labels (accuracy; CB adds macro "f1", MultiRC "f1a"/"em" and needs
