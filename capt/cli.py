@@ -25,6 +25,11 @@ COMPARISON_NAME = "comparison"
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # the benchmark harness has its own flags (capt bench --help)
+        from .benchmark import main as bench
+
+        return bench(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -43,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="capt", description="Capsule Prompt-Tuning on SuperGLUE")
     commands = parser.add_subparsers(dest="command")
+    commands.add_parser("bench", help="training-step and generate cost of every method (see benchmarks/README.md)")
 
     train = commands.add_parser("train", help="train one task with one method (one or more seeds)")
     _add_run_flags(train)

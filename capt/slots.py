@@ -108,7 +108,9 @@ def strip_slots(output: Any, n: int, fields: dict[str, str], length: int) -> Any
 
 def _strip_tensor(tensor: torch.Tensor, n: int, kind: str, length: int) -> torch.Tensor:
     if kind == "hidden":
-        return tensor[:, n:] if tensor.shape[1] == length else tensor
+        # Contiguous, so the heads that read it (an LM head above all) run one large matmul rather than B small
+        # ones on a strided view: 10-15 ms of a Llama step (benchmarks/results/profiling.md).
+        return tensor[:, n:].contiguous() if tensor.shape[1] == length else tensor
     if kind == "square":
         return tensor[..., n:, n:] if tensor.shape[-1] == length else tensor
     if kind == "queries":
