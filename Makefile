@@ -19,8 +19,8 @@ install: $(BIN)/.installed
 # The main job: a real CaPT training of the packaged MiniLM on SuperGLUE CB, scored on CB's test split.
 DATA_DIR ?= $(or $(CAPT_DATA_DIR),../shared/data/superglue)
 demo: install
-	HF_HUB_OFFLINE=1 $(BIN)/capt train --task cb --method capt --epochs 3 --max-length 128 \
-		--data-dir $(DATA_DIR) --output-dir runs/demo --overwrite $(ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/capt train --task cb --method capt --epochs 8 --lr 0.03 --head-lr 0.005 \
+		--max-length 128 --data-dir $(DATA_DIR) --output-dir runs/demo --overwrite $(ARGS)
 
 test: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(ARGS)

@@ -267,6 +267,7 @@ def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
         if isinstance(model, CaptModel):
             model.save_pretrained(out / "adapter")
         _atomic_write_text(out / RESULTS_NAME, json.dumps(results, indent=2) + "\n")
+        checkpoint_file.unlink(missing_ok=True)  # the run is complete: nothing left to resume
         log.close()
         plot_learning_curves(out)
     return results

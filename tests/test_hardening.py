@@ -65,6 +65,7 @@ def test_resume_after_kill_9_equals_an_uninterrupted_run(tmp_path):
     assert (crashed / "checkpoint.pt").exists()
 
     subprocess.run(_cli(*args, "--output-dir", str(crashed), "--resume"), check=True, env=env, capture_output=True)
+    assert not (crashed / "checkpoint.pt").exists()  # a finished run leaves no checkpoint behind
     expected = json.loads((reference / "results.json").read_text())["runs"][0]
     got = json.loads((crashed / "results.json").read_text())["runs"][0]
     assert got["test"] == expected["test"]
