@@ -15,6 +15,7 @@ from .integrations import config_base
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
+PICKLE_WEIGHTS_NAME = "adapter_model.bin"  # read only on request (allow_pickle=True)
 PEFT_TYPE = "CAPT"
 # Keys PEFT writes into adapter_config.json; without peft installed they are read and ignored.
 PEFT_BOOKKEEPING_KEYS = (

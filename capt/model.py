@@ -25,7 +25,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .capsule import Capsules
-from .config import CONFIG_NAME, WEIGHTS_NAME, CaptConfig
+from .config import CONFIG_NAME, PICKLE_WEIGHTS_NAME, WEIGHTS_NAME, CaptConfig
 from .injector import CAPT_INPUTS, CapsuleInjector, group_rows, run_by_rows
 
 HEAD_NAMES = ("classifier", "score", "qa_outputs")
@@ -191,7 +191,9 @@ class CaptModel(nn.Module):
         )
         self.adapter_configs[adapter_name] = config
 
-    def load_adapter(self, path: str | os.PathLike, adapter_name: str, is_trainable: bool = False) -> None:
+    def load_adapter(
+        self, path: str | os.PathLike, adapter_name: str, is_trainable: bool = False, allow_pickle: bool = False
+    ) -> None:
         """Load a saved adapter next to the loaded ones (a capsule bank); `set_adapter` activates it.
 
         Example:
@@ -202,7 +204,9 @@ class CaptModel(nn.Module):
         directory = Path(path)
         self.add_adapter(adapter_name, CaptConfig.from_pretrained(directory))
         try:
-            self.load_adapter_state_dict(_read_adapter_file(directory), str(directory / WEIGHTS_NAME), adapter_name)
+            self.load_adapter_state_dict(
+                _read_adapter_file(directory, allow_pickle), str(directory / WEIGHTS_NAME), adapter_name
+            )
         except Exception:
             self.delete_adapter(adapter_name)
             raise
@@ -291,15 +295,17 @@ class CaptModel(nn.Module):
         path: str | os.PathLike,
         is_trainable: bool = False,
         adapter_name: str = "default",
+        allow_pickle: bool = False,
     ) -> CaptModel:
         """Attach a saved adapter (saved by this class or by PEFT) to `base_model`.
 
         Raises ValueError if the adapter was made for another model. More adapters join with `load_adapter`.
+        `allow_pickle=True` also reads a folder that holds only `adapter_model.bin` (tensors only).
         """
         directory = Path(path)
         model = cls(base_model, CaptConfig.from_pretrained(directory), adapter_name)
         try:
-            model.load_adapter_state_dict(_read_adapter_file(directory), str(directory / WEIGHTS_NAME))
+            model.load_adapter_state_dict(_read_adapter_file(directory, allow_pickle), str(directory / WEIGHTS_NAME))
         except Exception:
             model.unload()
             raise
@@ -437,16 +443,28 @@ def _file_key(key: str) -> str:
     return FILE_KEY_PREFIXES[prefix] + key.removeprefix(prefix)
 
 
-def _read_adapter_file(directory: Path) -> dict[str, torch.Tensor]:
-    """The saved tensors, keyed as `adapter_state_dict` keys them (unknown keys stay as they are)."""
-    weights = directory / WEIGHTS_NAME
+def _read_adapter_file(directory: Path, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """The saved tensors, keyed as `adapter_state_dict` keys them (unknown keys stay as they are).
+
+    Pickle weights (`adapter_model.bin`) are read only when the caller opts in, and then with
+    `torch.load(weights_only=True)`, which refuses anything but tensors and plain containers."""
+    weights, pickled = directory / WEIGHTS_NAME, directory / PICKLE_WEIGHTS_NAME
     if not weights.is_file():
-        pickles = sorted(p.name for p in directory.glob("*.bin"))
-        hint = f" (found pickle weights {pickles}; CaPT reads safetensors only)" if pickles else ""
-        raise FileNotFoundError(f"no {WEIGHTS_NAME} in {directory}{hint}")
+        if allow_pickle and pickled.is_file():
+            weights = pickled
+        else:
+            hint = (
+                (
+                    f" (found pickle weights {PICKLE_WEIGHTS_NAME}; CaPT reads safetensors only unless you pass "
+                    "allow_pickle=True)"
+                )
+                if pickled.is_file()
+                else ""
+            )
+            raise FileNotFoundError(f"no {WEIGHTS_NAME} in {directory}{hint}")
     try:
-        tensors = load_file(weights)
-    except (SafetensorError, OSError, ValueError) as err:
+        tensors = torch.load(weights, weights_only=True) if weights == pickled else load_file(weights)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         raise ValueError(f"{weights} is truncated or corrupt and cannot be read: {err}") from err
     ours = {file_prefix: prefix for prefix, file_prefix in FILE_KEY_PREFIXES.items()}
     state = {}

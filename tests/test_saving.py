@@ -109,13 +109,16 @@ def test_truncated_or_corrupt_weights_raise_a_clear_error(tmp_adapter):
         capt.CaptModel.from_pretrained(build("llama"), tmp_adapter)
 
 
-def test_only_safetensors_are_read(tmp_adapter):
+def test_only_safetensors_are_read_unless_pickle_is_allowed(tmp_adapter):
     model = capt.get_capt_model(build("llama"))
+    randomize_capsules(model)
     model.save_pretrained(tmp_adapter)
     (tmp_adapter / "adapter_model.safetensors").unlink()
     torch.save(model.adapter_state_dict(), tmp_adapter / "adapter_model.bin")
-    with pytest.raises(FileNotFoundError, match="safetensors only"):
+    with pytest.raises(FileNotFoundError, match="safetensors only unless you pass allow_pickle=True"):
         capt.CaptModel.from_pretrained(build("llama"), tmp_adapter)
+    loaded = capt.CaptModel.from_pretrained(build("llama"), tmp_adapter, allow_pickle=True)
+    assert torch.equal(loaded.capsule_vectors, model.capsule_vectors)
 
 
 def test_config_file_errors_name_the_file(tmp_adapter):
