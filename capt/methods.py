@@ -61,12 +61,6 @@ def apply_method(backbone: Backbone, method: str, options: MethodOptions | None 
     raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
 
 
-def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total), each parameter counted once."""
-    params = list(model.parameters())
-    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
-
-
 def _classifier_name(model: nn.Module) -> str | None:
     return next((name for name in ("classifier", "score") if hasattr(model, name)), None)
 

@@ -109,8 +109,7 @@ class CaptModel(nn.Module):
 
     def get_nb_trainable_parameters(self) -> tuple[int, int]:
         """(trainable, total) parameter counts, like PEFT's method of the same name."""
-        params = list(self.parameters())
-        return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+        return count_parameters(self)
 
     def print_trainable_parameters(self) -> None:
         trainable, total = self.get_nb_trainable_parameters()
@@ -366,6 +365,12 @@ class CaptModel(nn.Module):
             current = self.base_model.get_submodule(_dotted(key))
             _set_submodule(self.base_model, _dotted(key), self.original_modules[key])
             self.original_modules[key] = current
+
+
+def count_parameters(module: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameters of any module, each shared parameter counted once."""
+    params = list(module.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
 
 def get_capt_model(base_model: PreTrainedModel, config: CaptConfig | None = None) -> CaptModel:

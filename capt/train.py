@@ -30,9 +30,9 @@ from transformers.optimization import Adafactor
 from .backbones import load_backbone
 from .data import TASKS, Example, paper_splits
 from .formats import TaskFormat, head_outputs, make_format
-from .methods import METHODS, MethodOptions, apply_method, count_parameters
+from .methods import METHODS, MethodOptions, apply_method
 from .metrics import task_metrics
-from .model import CaptModel
+from .model import CaptModel, count_parameters
 from .reporting import MetricsLog, plot_learning_curves
 
 RESULTS_NAME = "results.json"

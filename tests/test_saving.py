@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
-from conftest import BUILDERS, batch_inputs, build, randomize_capsules, tiny_bert_classifier
-from transformers import BertConfig, BertForSequenceClassification
+from conftest import BUILDERS, batch_inputs, bert_config, build, randomize_capsules, tiny_bert_classifier
+from transformers import BertForSequenceClassification
 
 import capt
 
@@ -69,15 +69,7 @@ def test_save_then_load_gives_identical_outputs(name, config, tmp_adapter):
 
 
 def _other_bert(**changes):
-    settings = dict(
-        vocab_size=101,
-        hidden_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        intermediate_size=64,
-        num_labels=3,
-    )
-    return BertForSequenceClassification(BertConfig(**{**settings, **changes}))
+    return BertForSequenceClassification(bert_config(**changes))
 
 
 @pytest.mark.parametrize(

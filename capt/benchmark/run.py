@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model import count_parameters
 from .backbones import Backbone, RandomSize, build_backbone
 from .measure import TrainStep, interleaved, peak_bytes
 from .methods import Method, attach, floor_inputs
@@ -42,7 +43,7 @@ def run_backbone(name: str, options: Options, log: Callable[[str], None]) -> dic
     backbone = build_backbone(name, options.random_size, options.seed)
     result = {
         "description": backbone.description,
-        "parameters": sum(p.numel() for p in backbone.model.parameters()),
+        "parameters": count_parameters(backbone.model)[1],
         "notes": [],
         "methods": {},
     }
@@ -55,7 +56,7 @@ def run_backbone(name: str, options: Options, log: Callable[[str], None]) -> dic
             entry["error"] = _one_line(err)
             log(f"  {method.name}: cannot be built: {entry['error']}")
             continue
-        entry["trainable"] = sum(p.numel() for p in models[method.name].parameters() if p.requires_grad)
+        entry["trainable"] = count_parameters(models[method.name])[0]
         if method.family == "prefix" and backbone.task == "seq2seq":
             entry["not_a_peer"] = (
                 "PEFT puts prefixes only into the decoder of an encoder-decoder model (peft#2989): no gradient "
