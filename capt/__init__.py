@@ -13,4 +13,4 @@ from .model import CaptModel, get_capt_model
 register_available()
 
 __all__ = ["CaptConfig", "CaptModel", "get_capt_model"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

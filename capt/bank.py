@@ -1,16 +1,15 @@
-"""Serving many tasks from one frozen model: a capsule bank, and predictions for batches that mix tasks.
+"""Serving many tasks from one frozen model: a capsule bank.
 
 A task costs its capsules (capsule layers x hidden floats) plus its trained head, if it has one; the frozen
-backbone is shared. `CaptModel.load_adapter` / `set_adapter` and `adapter_names=[...]` are the primitives;
-these helpers are what a command line or a server calls.
+backbone is shared. `CaptModel.load_adapter` / `set_adapter` and `adapter_names=[...]` (one adapter per row, on
+`forward` and `generate`) are the primitives; `load_bank` is what a command line or a server calls.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
-import torch
 from transformers import PreTrainedModel
 
 from .model import CaptModel
@@ -33,21 +32,3 @@ def load_bank(base_model: PreTrainedModel, adapters: Mapping[str, str | os.PathL
     for name, path in others:
         bank.load_adapter(path, adapter_name=name)
     return bank
-
-
-@torch.no_grad()
-def predict_mixed(
-    bank: CaptModel, inputs: Mapping[str, torch.Tensor], adapter_names: Sequence[str], **generate_kwargs
-) -> torch.Tensor:
-    """Predictions for a batch whose rows belong to different tasks (`adapter_names`, one per row).
-
-    Models that generate (T5, decoder-only) return `generate`'s token ids (decoder-only prompts left-padded);
-    classifiers return the predicted class per row (per token for token classification).
-
-    Example:
-        >>> ids = predict_mixed(bank, tokenizer(texts, return_tensors="pt", padding=True),  # doctest: +SKIP
-        ...                     ["rte", "boolq"], max_new_tokens=3)
-    """
-    if bank.family == "encoder":
-        return bank(**inputs, adapter_names=adapter_names).logits.argmax(-1)
-    return bank.generate(**inputs, adapter_names=adapter_names, **generate_kwargs)

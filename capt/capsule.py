@@ -55,7 +55,9 @@ def masked_mean(hidden: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 class Capsules(nn.Module):
-    """Capsule vectors p (num_layers x [num_slots x] hidden) and, per variant, the instance-summary module."""
+    """Capsule vectors p (num_layers x [num_slots x] hidden) and, for `extract` / `project`, the instance module:
+    the convolution or projection that turns the layer input into the instance summary (one shared by all layers,
+    or one per layer: `CaptConfig.share_instance_module`)."""
 
     def __init__(self, config: CaptConfig, num_layers: int, hidden: int, device=None):
         super().__init__()
@@ -67,20 +69,20 @@ class Capsules(nn.Module):
         if config.init == "normal" and self.vectors.device.type != "meta":
             nn.init.normal_(self.vectors, std=config.init_std)
 
-        self.summarizers = None
+        self.instance_modules = None
         if config.variant in ("extract", "project"):
             count = 1 if config.share_instance_module else num_layers
             if config.variant == "extract":
                 modules = [DepthwiseExtractor(hidden, config.kernel_size, device) for _ in range(count)]
             else:
                 modules = [LowRankProjector(hidden, config.rank, device) for _ in range(count)]
-            self.summarizers = nn.ModuleList(modules)
+            self.instance_modules = nn.ModuleList(modules)
 
     def summary(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The instance-aware part, (B, d)."""
-        if self.summarizers is None:
+        if self.instance_modules is None:
             return masked_mean(hidden, weights)
-        module = self.summarizers[0 if len(self.summarizers) == 1 else layer]
+        module = self.instance_modules[0 if len(self.instance_modules) == 1 else layer]
         return module(hidden, weights)
 
     def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ from transformers import PreTrainedModel
 
 from .capsule import Capsules
 from .config import CaptConfig
-from .layers import CapsuleSite, find_sites, hidden_size, model_family
+from .sites import CapsuleSite, find_sites, hidden_size, model_family
 from .slots import (
     STREAM_FIELDS,
     batch_and_length,

@@ -1,37 +1,29 @@
 """`CaptModel`: a frozen Hugging Face model with capsules, one bank of task adapters at a time.
 
-The hooks that write the capsule slot live in `capt.injector` (shared with the PEFT integration); this module
-owns the parameters: the active adapter's capsules (`model.capsules`) and trained task head (installed where the
-head was), the other loaded adapters (stored aside), and the original heads (restored by `disable_adapter`).
+The hooks that write the capsule slot live in `capt.injector` (shared with the PEFT integration), the trained
+task heads in `capt.heads`, the adapter files in `capt.saving`. This module owns the parameters of every loaded
+adapter: the active adapter's capsules (`model.capsules`) and the others (`model.stored_capsules`).
 """
 
 from __future__ import annotations
 
-import copy
 import inspect
-import json
 import os
-import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel
 
 from .capsule import Capsules
-from .config import CONFIG_NAME, PICKLE_WEIGHTS_NAME, WEIGHTS_NAME, CaptConfig
-from .injector import CAPT_INPUTS, CapsuleInjector, group_rows, run_by_rows
-
-HEAD_NAMES = ("classifier", "score", "qa_outputs")
-HEAD_MODEL_SUFFIXES = ("ForSequenceClassification", "ForMultipleChoice", "ForTokenClassification")
-# adapter_model.safetensors uses PEFT's key names, so that either API reads the other's files.
-FILE_KEY_PREFIXES = {"capsules.": "base_model.capt_layer.capt_capsules.", "modules_to_save.": "base_model.model."}
+from .config import WEIGHTS_NAME, CaptConfig
+from .heads import TaskHeads, resolve_head_names
+from .injector import CAPT_INPUTS, CapsuleInjector
+from .saving import read_adapter_weights, skip_tied_duplicates_in_state_dict, write_adapter
 
 
 class CaptModel(nn.Module):
@@ -65,26 +57,20 @@ class CaptModel(nn.Module):
         self.active_adapter = adapter_name
         self.adapter_configs: dict[str, CaptConfig] = {adapter_name: config}
         self.capsules = self._new_capsules(config)
+        self.stored_capsules = nn.ModuleDict()  # the loaded adapters that are not active
         base_model.requires_grad_(False)
-        self.original_modules = nn.ModuleDict()  # heads as they were, while the adapter's copies are installed
         try:
-            for name in resolve_head_names(base_model, config.modules_to_save):
-                self.original_modules[_undotted(name)] = base_model.get_submodule(name)
-                _set_submodule(base_model, name, self._trained_copy(name))
+            names = resolve_head_names(base_model, config.modules_to_save)
         except ValueError:
             self.injector.detach()
             raise
-        # The loaded adapters that are not active; set_adapter swaps them with the installed ones.
-        self.stored_capsules = nn.ModuleDict()
-        self.stored_modules_to_save = nn.ModuleDict()
+        self.heads = TaskHeads(base_model, names, row_adapters=lambda: self.injector.row_adapters)
+        self.heads.install_new()
         # Trainer keeps only the dataset columns that forward's signature names: advertise the base model's inputs.
         forward = partial(type(self).forward, self)
         forward.__signature__ = _forward_signature(base_model)
         self.forward = forward
-        # Trainer saves a model that is not a PreTrainedModel with safetensors, which refuses tied weights (T5,
-        # GPT-2, Llama-3.2 embeddings): state_dict() lists each tied tensor once, load_state_dict restores the rest.
-        self.register_state_dict_post_hook(_drop_tied_duplicates)
-        self.register_load_state_dict_pre_hook(_restore_tied_duplicates)
+        skip_tied_duplicates_in_state_dict(self)
 
     # ------------------------------------------------------------------ public API
 
@@ -150,28 +136,30 @@ class CaptModel(nn.Module):
     def disable_adapter(self) -> Iterator[None]:
         """Inside this context the model is exactly the base model (original heads included)."""
         self.injector.enabled = False
-        self._swap_modules_to_save()
+        self.heads.swap_original()
         try:
             yield
         finally:
-            self._swap_modules_to_save()
+            self.heads.swap_original()
             self.injector.enabled = True
 
     def unload(self) -> PreTrainedModel:
         """Remove the hooks and restore the original heads; returns the untouched base model."""
         self.injector.detach()
-        self._swap_modules_to_save()
-        self.original_modules = nn.ModuleDict()
+        self.heads.swap_original()
+        self.heads = TaskHeads(self.base_model, [], row_adapters=lambda: None)
         return self.base_model
 
     # ------------------------------------------------------------------ the capsule bank
 
     def capsules_for(self, adapter_name: str) -> Capsules:
-        if adapter_name == self.active_adapter:
-            return self.capsules
-        if adapter_name not in self.stored_capsules:
+        self.require_loaded(adapter_name)
+        return self.capsules if adapter_name == self.active_adapter else self.stored_capsules[adapter_name]
+
+    def require_loaded(self, adapter_name: str) -> None:
+        """Raise ValueError unless an adapter of that name is loaded."""
+        if adapter_name not in self.adapter_configs:
             raise ValueError(f"no adapter named {adapter_name!r} is loaded; loaded: {list(self.adapter_configs)}")
-        return self.stored_capsules[adapter_name]
 
     def add_adapter(self, adapter_name: str, config: CaptConfig) -> None:
         """Add a new (untrained, trainable) adapter next to the loaded ones; `set_adapter` activates it."""
@@ -179,15 +167,13 @@ class CaptModel(nn.Module):
             raise ValueError(f"an adapter named {adapter_name!r} is already loaded")
         self.injector.check_compatible(config, adapter_name)
         heads = resolve_head_names(self.base_model, config.modules_to_save)
-        if heads != [_dotted(key) for key in self.original_modules]:
+        if heads != self.heads.names:
             raise ValueError(
                 f"adapter {adapter_name!r} trains modules_to_save {heads}, the adapters already loaded train "
-                f"{[_dotted(key) for key in self.original_modules]}: adapters that share a model must train the same"
+                f"{self.heads.names}: adapters that share a model must train the same"
             )
         self.stored_capsules[adapter_name] = self._new_capsules(config)
-        self.stored_modules_to_save[adapter_name] = nn.ModuleDict(
-            {_undotted(name): self._trained_copy(name) for name in heads}
-        )
+        self.heads.add(adapter_name)
         self.adapter_configs[adapter_name] = config
 
     def load_adapter(
@@ -204,7 +190,7 @@ class CaptModel(nn.Module):
         self.add_adapter(adapter_name, CaptConfig.from_pretrained(directory))
         try:
             self.load_adapter_state_dict(
-                _read_adapter_file(directory, allow_pickle), str(directory / WEIGHTS_NAME), adapter_name
+                read_adapter_weights(directory, allow_pickle), str(directory / WEIGHTS_NAME), adapter_name
             )
         except Exception:
             self.delete_adapter(adapter_name)
@@ -218,13 +204,9 @@ class CaptModel(nn.Module):
         if adapter_name == self.active_adapter:
             return
         incoming_capsules = self.capsules_for(adapter_name)
-        incoming_heads = self.stored_modules_to_save[adapter_name]
-        outgoing_heads = nn.ModuleDict({key: self.base_model.get_submodule(_dotted(key)) for key in incoming_heads})
-        for key, head in incoming_heads.items():
-            _set_submodule(self.base_model, _dotted(key), head)
-        del self.stored_capsules[adapter_name], self.stored_modules_to_save[adapter_name]
+        self.heads.activate(adapter_name, outgoing=self.active_adapter)
+        del self.stored_capsules[adapter_name]
         self.stored_capsules[self.active_adapter] = self.capsules
-        self.stored_modules_to_save[self.active_adapter] = outgoing_heads
         self.capsules = incoming_capsules
         self.active_adapter = adapter_name
 
@@ -232,8 +214,9 @@ class CaptModel(nn.Module):
         """Remove a loaded adapter that is not active."""
         if adapter_name == self.active_adapter:
             raise ValueError(f"adapter {adapter_name!r} is active; set_adapter to another one before deleting it")
-        self.capsules_for(adapter_name)  # raises for an unknown name
-        del self.stored_capsules[adapter_name], self.stored_modules_to_save[adapter_name]
+        self.require_loaded(adapter_name)
+        del self.stored_capsules[adapter_name]
+        self.heads.remove(adapter_name)
         del self.adapter_configs[adapter_name]
 
     # ------------------------------------------------------------------ saving and loading
@@ -242,8 +225,8 @@ class CaptModel(nn.Module):
         """Everything an adapter (default: the active one) trains: capsules, instance modules, modules_to_save."""
         name = adapter_name or self.active_adapter
         state = {f"capsules.{k}": v for k, v in self.capsules_for(name).state_dict().items()}
-        for key, head in self._modules_to_save_of(name).items():
-            state.update({f"modules_to_save.{_dotted(key)}.{k}": v for k, v in head.state_dict().items()})
+        for head_name, head in self._heads_of(name).items():
+            state.update({f"modules_to_save.{head_name}.{k}": v for k, v in head.state_dict().items()})
         return state
 
     def load_adapter_state_dict(
@@ -262,10 +245,6 @@ class CaptModel(nn.Module):
             for key, tensor in state.items():
                 expected[key].copy_(tensor)
 
-    def base_model_fingerprint(self) -> dict[str, Any]:
-        """The facts an adapter depends on; saved with it and checked on load."""
-        return self.injector.fingerprint()
-
     def save_pretrained(self, save_directory: str | os.PathLike, adapter_name: str | None = None) -> None:
         """Write `adapter_config.json` and `adapter_model.safetensors` (each replaced atomically), in PEFT's format.
 
@@ -273,19 +252,12 @@ class CaptModel(nn.Module):
         saves. Saves the active adapter unless `adapter_name` names another loaded one.
         """
         name = adapter_name or self.active_adapter
-        directory = Path(save_directory)
-        directory.mkdir(parents=True, exist_ok=True)
         config = {
             **self.adapter_configs[name].to_dict(),
-            "base_model": self.base_model_fingerprint(),
+            "base_model": self.injector.fingerprint(),
             "base_model_name_or_path": getattr(self.base_model.config, "_name_or_path", None) or None,
         }
-        tensors = {_file_key(k): v.detach().to("cpu").contiguous() for k, v in self.adapter_state_dict(name).items()}
-        _atomic_write(directory / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
-        _atomic_write(
-            directory / CONFIG_NAME,
-            lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n"),
-        )
+        write_adapter(save_directory, config, self.adapter_state_dict(name))
 
     @classmethod
     def from_pretrained(
@@ -304,7 +276,7 @@ class CaptModel(nn.Module):
         directory = Path(path)
         model = cls(base_model, CaptConfig.from_pretrained(directory), adapter_name)
         try:
-            model.load_adapter_state_dict(_read_adapter_file(directory, allow_pickle), str(directory / WEIGHTS_NAME))
+            model.load_adapter_state_dict(read_adapter_weights(directory, allow_pickle), str(directory / WEIGHTS_NAME))
         except Exception:
             model.unload()
             raise
@@ -328,43 +300,14 @@ class CaptModel(nn.Module):
         device = next(self.base_model.parameters()).device
         return Capsules(config, self.injector.num_layers, self.injector.hidden_size, device=device)
 
-    def _trained_copy(self, name: str) -> nn.Module:
-        """A trainable copy of the original head `name`, which answers for every adapter in a mixed batch."""
-        original = self.original_modules[_undotted(name)]
-        head = copy.deepcopy(original).requires_grad_(True)
-        head.register_forward_hook(partial(self._mixed_batch_head, _undotted(name)))
-        return head
-
-    def _mixed_batch_head(self, key: str, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        """On the installed head, recompute the rows of other adapters with their own heads."""
-        row_adapters = self.injector.row_adapters
-        if row_adapters is None or module is not self.base_model.get_submodule(_dotted(key)):
-            return output
-        groups = group_rows(row_adapters, args[0].shape[0], output.device)
-
-        def head_output(adapter: str, rows) -> torch.Tensor:
-            if adapter == self.active_adapter:
-                return output[rows]
-            return self.stored_modules_to_save[adapter][key](args[0][rows], *args[1:])
-
-        return run_by_rows(groups, head_output)
-
-    def _modules_to_save_of(self, adapter_name: str) -> dict[str, nn.Module]:
-        if adapter_name == self.active_adapter:
-            return {key: self.base_model.get_submodule(_dotted(key)) for key in self.original_modules}
-        self.capsules_for(adapter_name)  # raises for an unknown name
-        return dict(self.stored_modules_to_save[adapter_name].items())
+    def _heads_of(self, adapter_name: str) -> dict[str, nn.Module]:
+        self.require_loaded(adapter_name)
+        return self.heads.of(adapter_name, active=adapter_name == self.active_adapter)
 
     def _adapter_parameters(self, adapter_name: str) -> Iterator[nn.Parameter]:
         yield from self.capsules_for(adapter_name).parameters()
-        for head in self._modules_to_save_of(adapter_name).values():
+        for head in self._heads_of(adapter_name).values():
             yield from head.parameters()
-
-    def _swap_modules_to_save(self) -> None:
-        for key in list(self.original_modules):
-            current = self.base_model.get_submodule(_dotted(key))
-            _set_submodule(self.base_model, _dotted(key), self.original_modules[key])
-            self.original_modules[key] = current
 
 
 def count_parameters(module: nn.Module) -> tuple[int, int]:
@@ -388,29 +331,6 @@ def get_capt_model(base_model: PreTrainedModel, config: CaptConfig | None = None
     return CaptModel(base_model, config or CaptConfig())
 
 
-def resolve_head_names(model: PreTrainedModel, requested: Sequence[str] | None) -> list[str]:
-    """The submodules trained and saved with the capsules: `requested`, or the fresh task head of a classifier.
-
-    PEFT adds both usual head names ('classifier', 'score') to every classifier's config, so a missing usual
-    head name is skipped; any other missing name is an error.
-    """
-    if requested is None:
-        is_head_model = type(model).__name__.endswith(HEAD_MODEL_SUFFIXES)
-        return [name for name in HEAD_NAMES if is_head_model and hasattr(model, name)]
-    present = []
-    for name in dict.fromkeys(requested):
-        try:
-            model.get_submodule(name)
-        except AttributeError as err:
-            if name in HEAD_NAMES:
-                continue
-            raise ValueError(
-                f"CaptConfig.modules_to_save names {name!r}, which {type(model).__name__} does not have"
-            ) from err
-        present.append(name)
-    return present
-
-
 # ---------------------------------------------------------------------- helpers
 
 
@@ -420,84 +340,3 @@ def _forward_signature(base_model: PreTrainedModel) -> inspect.Signature:
     named = [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     own = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None) for n in CAPT_INPUTS]
     return inspect.Signature([*named, *own, inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
-
-
-def _tied_duplicates(module: nn.Module) -> dict[str, str]:
-    """Parameter name -> the first name of the same (tied) parameter, for every name but the first."""
-    first: dict[int, str] = {}
-    duplicates = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        if first.setdefault(id(param), name) != name:
-            duplicates[name] = first[id(param)]
-    return duplicates
-
-
-def _drop_tied_duplicates(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    for name in _tied_duplicates(module):
-        state_dict.pop(prefix + name, None)
-
-
-def _restore_tied_duplicates(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    for name, kept in _tied_duplicates(module).items():
-        if prefix + kept in state_dict and prefix + name not in state_dict:
-            state_dict[prefix + name] = state_dict[prefix + kept]
-
-
-def _file_key(key: str) -> str:
-    prefix = next(p for p in FILE_KEY_PREFIXES if key.startswith(p))
-    return FILE_KEY_PREFIXES[prefix] + key.removeprefix(prefix)
-
-
-def _read_adapter_file(directory: Path, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
-    """The saved tensors, keyed as `adapter_state_dict` keys them (unknown keys stay as they are).
-
-    Pickle weights (`adapter_model.bin`) are read only when the caller opts in, and then with
-    `torch.load(weights_only=True)`, which refuses anything but tensors and plain containers."""
-    weights, pickled = directory / WEIGHTS_NAME, directory / PICKLE_WEIGHTS_NAME
-    if not weights.is_file():
-        if allow_pickle and pickled.is_file():
-            weights = pickled
-        else:
-            hint = (
-                (
-                    f" (found pickle weights {PICKLE_WEIGHTS_NAME}; CaPT reads safetensors only unless you pass "
-                    "allow_pickle=True)"
-                )
-                if pickled.is_file()
-                else ""
-            )
-            raise FileNotFoundError(f"no {WEIGHTS_NAME} in {directory}{hint}")
-    try:
-        tensors = torch.load(weights, weights_only=True) if weights == pickled else load_file(weights)
-    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        raise ValueError(f"{weights} is truncated or corrupt and cannot be read: {err}") from err
-    ours = {file_prefix: prefix for prefix, file_prefix in FILE_KEY_PREFIXES.items()}
-    state = {}
-    for key, tensor in tensors.items():
-        file_prefix = next((p for p in ours if key.startswith(p)), "")
-        state[ours.get(file_prefix, "") + key.removeprefix(file_prefix)] = tensor
-    return state
-
-
-def _atomic_write(target: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _dotted(key: str) -> str:
-    return key.replace("__", ".")
-
-
-def _undotted(name: str) -> str:
-    return name.replace(".", "__")
-
-
-def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, attr = name.rpartition(".")
-    setattr(root.get_submodule(parent_name) if parent_name else root, attr, module)

@@ -15,34 +15,22 @@ from transformers import (
     BertConfig,
     BertForSequenceClassification,
     BertModel,
-    GPT2Config,
     GPT2LMHeadModel,
-    LlamaConfig,
     LlamaForCausalLM,
-    Qwen2Config,
     Qwen2ForCausalLM,
-    RobertaConfig,
     RobertaForSequenceClassification,
-    T5Config,
     T5ForConditionalGeneration,
 )
 
+from capt.recipes.backbones import random_config
+
 VOCAB = 101
+# The tiny configs every core test builds: one builder (the recipes' random_config) at test sizes.
+TINY = dict(width=32, heads=4, vocab=VOCAB)
 
 
 def bert_config(**overrides) -> BertConfig:
-    settings = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        intermediate_size=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        max_position_embeddings=64,
-        num_labels=3,
-    )
-    return BertConfig(**{**settings, **overrides})
+    return random_config("bert", layers=3, positions=64, **{**TINY, "num_labels": 3, **overrides})
 
 
 def tiny_bert_model():
@@ -55,81 +43,25 @@ def tiny_bert_classifier():
 
 def tiny_roberta_classifier():
     return RobertaForSequenceClassification(
-        RobertaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=64,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-            max_position_embeddings=70,
-            num_labels=2,
-            pad_token_id=1,
-        )
+        random_config("roberta", layers=2, positions=70, num_labels=2, pad_token_id=1, **TINY)
     )
 
 
 def tiny_t5():
-    return T5ForConditionalGeneration(
-        T5Config(
-            vocab_size=VOCAB,
-            d_model=32,
-            d_kv=8,
-            d_ff=64,
-            num_layers=2,
-            num_decoder_layers=2,
-            num_heads=4,
-            dropout_rate=0.0,
-            decoder_start_token_id=0,
-            pad_token_id=0,
-            eos_token_id=1,
-        )
-    )
+    config = random_config("t5", layers=2, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, **TINY)
+    return T5ForConditionalGeneration(config)
 
 
 def tiny_gpt2():
-    return GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=VOCAB,
-            n_embd=32,
-            n_layer=2,
-            n_head=4,
-            n_positions=64,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            pad_token_id=0,
-        )
-    )
+    return GPT2LMHeadModel(random_config("gpt2", layers=2, positions=64, pad_token_id=0, **TINY))
 
 
 def tiny_llama():
-    return LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            pad_token_id=0,
-        )
-    )
+    return LlamaForCausalLM(random_config("llama", layers=3, pad_token_id=0, **TINY))
 
 
 def tiny_qwen2():
-    return Qwen2ForCausalLM(
-        Qwen2Config(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            pad_token_id=0,
-        )
-    )
+    return Qwen2ForCausalLM(random_config("qwen2", layers=2, pad_token_id=0, **TINY))
 
 
 def minilm_classifier():

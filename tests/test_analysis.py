@@ -9,15 +9,15 @@ import torch
 from conftest import batch_inputs, build
 
 import capt
-from capt.analysis import anchor_metrics, capture_attention, example_maps, instance_tokens, role_matrix
-from capt.analysis.attention import Subject, bare_subject
-from capt.analysis.capture import use_eager_attention
-from capt.analysis.metrics import structural_share
-from capt.backbones import load_backbone
-from capt.cli import main
-from capt.data import Example
-from capt.formats import make_format
-from capt.methods import MethodOptions, apply_method
+from capt.recipes.analysis import anchor_metrics, capture_attention, example_maps, instance_tokens, role_matrix
+from capt.recipes.analysis.anchors import structural_share
+from capt.recipes.analysis.attention import Subject, bare_subject
+from capt.recipes.analysis.capture import use_eager_attention
+from capt.recipes.backbones import load_backbone
+from capt.recipes.cli import main
+from capt.recipes.data import Example
+from capt.recipes.formats import make_format
+from capt.recipes.methods import MethodOptions, apply_method
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "superglue"
 EXAMPLE = Example("rte", 0, {"premise": "A cat sat on the mat.", "hypothesis": "A cat sat."}, 0)

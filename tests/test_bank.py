@@ -6,7 +6,7 @@ import torch
 from conftest import batch_inputs, build, randomize_capsules
 
 import capt
-from capt.bank import load_bank, predict_mixed
+from capt.bank import load_bank
 
 GREEDY = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
 ROWS = ["a", "b", "a"]  # the task of each example in the mixed batches below
@@ -58,7 +58,7 @@ def test_mixed_generation_gives_each_row_what_its_adapter_generates_alone(name, 
     prompts = _mixed_inputs(name)
     prompts.pop("decoder_input_ids", None)
     scored = dict(GREEDY, output_scores=True, return_dict_in_generate=True)
-    mixed = predict_mixed(bank, prompts, ROWS, **scored)
+    mixed = bank.generate(**prompts, adapter_names=ROWS, **scored)
     for i, task in enumerate(ROWS):
         bank.set_adapter(task)
         alone = bank.generate(**_row(prompts, i), **scored)

@@ -9,10 +9,10 @@ import torch
 from conftest import bert_config
 from transformers import BertForSequenceClassification
 
-from capt.benchmark import main
-from capt.benchmark.backbones import Backbone, RandomSize
-from capt.benchmark.methods import parse_methods
-from capt.benchmark.run import Options, _fitting_lengths
+from capt.recipes.backbones import Backbone, RandomSize
+from capt.recipes.bench import main
+from capt.recipes.bench.methods import parse_methods
+from capt.recipes.bench.run import Options, _fitting_lengths
 
 TINY = ["--width", "64", "--layers", "1", "--vocab", "128", "--batch-size", "2", "--repeats", "1"]
 CELL_KEYS = {"tokens", "wall_s", "cpu_s", "median_s", "ratio", "peak_bytes", "memory_ratio"}
@@ -59,7 +59,7 @@ def test_bench_writes_json_markdown_and_png(tmp_path):
 
 
 def test_absolute_positions_cap_the_length_for_every_method():
-    bert = Backbone("bert", BertForSequenceClassification(bert_config()), "classification", "tiny BERT")
+    bert = Backbone(BertForSequenceClassification(bert_config()), None, "encoder", "bert", "tiny BERT")
     options = Options(
         backbones=["bert"],
         lengths=[16, 60],

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from capt.data import DataFormatError, DataNotFoundError, load_split, paper_splits, resolve_data_dir
+from capt.recipes.data import DataFormatError, DataNotFoundError, load_split, paper_splits, resolve_data_dir
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "superglue"
 FEWGLUE = DATA.parent / "fewglue"
@@ -196,7 +196,7 @@ def test_offline_without_data_dir_gives_one_error_naming_both_ways(monkeypatch, 
         monkeypatch.setenv(name, "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty cache, so nothing can be found offline
     code = (
-        "from capt.data import load_split, DataNotFoundError\n"
+        "from capt.recipes.data import load_split, DataNotFoundError\n"
         "try:\n    load_split('rte', 'val')\nexcept DataNotFoundError as e:\n    print('ERR', e)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

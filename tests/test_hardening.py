@@ -12,8 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from capt.cli import main
-from capt.train import RunConfig, train
+from capt.recipes.cli import main
+from capt.recipes.run import RunConfig
+from capt.recipes.train import train
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "superglue"
 REPO = Path(__file__).resolve().parents[1]
@@ -26,7 +27,7 @@ def feature_cache(tmp_path, monkeypatch):
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "capt.cli", *args]
+    return [sys.executable, "-m", "capt.recipes.cli", *args]
 
 
 def _steps_logged(run: Path) -> int:
@@ -87,7 +88,7 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, capsys):
 
 
 def test_a_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
-    from capt import formats
+    from capt.recipes import formats
 
     calls = {"n": 0}
     real_loss = formats.CausalLMFormat.loss
@@ -125,7 +126,7 @@ def test_two_processes_give_the_metrics_of_one_with_the_same_global_batch(tmp_pa
         env=env,
         capture_output=True,
     )
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "capt.cli"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "capt.recipes.cli"]
     subprocess.run(
         [*launcher, *common, "--batch-size", "4", "--output-dir", str(tmp_path / "two")],
         check=True,
@@ -187,6 +188,6 @@ def test_an_unwritable_output_folder_is_a_clear_error(tmp_path, capsys):
 
 def test_trust_remote_code_is_off_unless_asked():
     assert RunConfig().trust_remote_code is False
-    from capt.cli import _parser, run_config
+    from capt.recipes.cli import _parser, run_config
 
     assert run_config(_parser().parse_args(["train", "--trust-remote-code"])).trust_remote_code is True

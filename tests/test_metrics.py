@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from capt.metrics import (
+from capt.recipes.metrics import (
     accuracy,
     binary_f1,
     macro_f1,

@@ -7,13 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from capt.backbones import load_backbone
-from capt.cli import main
-from capt.data import paper_splits
-from capt.formats import head_outputs, make_format, target_logprobs
-from capt.methods import METHODS, apply_method
-from capt.reporting import comparison_table
-from capt.train import DEFAULT_LR, length_grouped_batches
+from capt.recipes.backbones import load_backbone
+from capt.recipes.cli import main
+from capt.recipes.data import paper_splits
+from capt.recipes.formats import head_outputs, make_format, target_logprobs
+from capt.recipes.methods import METHODS, apply_method
+from capt.recipes.reporting import comparison_table
+from capt.recipes.run import DEFAULT_LR
+from capt.recipes.train import length_grouped_batches
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "superglue"
 QUICK = ["--limit-train", "16", "--limit-eval", "12", "--batch-size", "8", "--data-dir", str(DATA)]
@@ -173,7 +174,7 @@ def test_unknown_task_or_method_is_a_clear_error(tmp_path, capsys):
 
 @pytest.mark.parametrize("config", sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml")))
 def test_shipped_configs_are_valid_run_configs(config):
-    from capt.cli import _parser, run_config
+    from capt.recipes.cli import _parser, run_config
 
     args = _parser().parse_args(["train", "--config", str(config)])
     assert run_config(args).model

@@ -6,9 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from capt.cli import main
-from capt.data import TASKS, load_split
-from capt.train import encode_cached, load_run
+from capt.recipes.cli import main
+from capt.recipes.data import TASKS, load_split
+from capt.recipes.evaluate import encode_cached
+from capt.recipes.run import load_run
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "superglue"
 QUICK = ["--limit-train", "16", "--limit-eval", "8", "--batch-size", "8", "--epochs", "1", "--data-dir", str(DATA)]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from capt.data import (
+from capt.recipes.data import (
     TASKS,
     Example,
     encoder_choices,
@@ -18,7 +18,6 @@ from capt.data import (
     load_split,
     t5_input,
     t5_label_words,
-    t5_target,
 )
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "superglue"
@@ -117,17 +116,6 @@ def test_t5_strips_multirc_markup(val):
 )
 def test_t5_label_words(task, words):
     assert t5_label_words(task) == words
-
-
-def test_t5_targets_follow_label_ids(val):
-    assert t5_target(val["rte"][0]) == "not_entailment" and t5_target(val["copa"][0]) == "choice2"
-    assert t5_target(val["cb"][0]) == "contradiction" and t5_target(val["record"][0]) == "Olimpija Ljubljana"
-    for task in LABEL_TASKS + ["copa"]:
-        assert all(t5_target(ex) == t5_label_words(task)[ex.label] for ex in val[task])
-    with pytest.raises(ValueError):
-        t5_label_words("record")
-    with pytest.raises(ValueError, match="no label"):
-        t5_target(load_split("rte", "test", DATA)[0])
 
 
 def test_lm_prompts(val):

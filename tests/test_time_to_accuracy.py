@@ -1,13 +1,9 @@
-"""benchmarks/time_to_accuracy.py reads the best epoch and its elapsed time from compare logs."""
+"""capt.recipes.bench.time_to_accuracy reads the best epoch and its elapsed time from compare logs."""
 
-import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "time_to_accuracy.py"
-spec = importlib.util.spec_from_file_location("time_to_accuracy", SCRIPT)
-tta = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(tta)
+from capt.recipes.bench import time_to_accuracy as tta
 
 
 def _run(directory: Path, scores: list[float], seconds_per_epoch: float) -> None:

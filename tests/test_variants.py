@@ -46,7 +46,7 @@ def test_untrained_extract_equals_add():
         model = capt.get_capt_model(build("bert-cls"), capt.CaptConfig(variant=variant))
         randomize_capsules(model)  # also perturbs the conv: restore the identity
         if variant == "extract":
-            conv = model.capsules.summarizers[0].conv
+            conv = model.capsules.instance_modules[0].conv
             with torch.no_grad():
                 conv.weight.zero_()
                 conv.weight[:, 0, 1] = 1

@@ -25,8 +25,8 @@ from torch import nn
 
 from ..capsule import Capsules
 from ..config import PEFT_TYPE, CaptConfig
+from ..heads import resolve_head_names
 from ..injector import CapsuleInjector
-from ..model import resolve_head_names
 
 PREFIX = "capt_"
 

@@ -2,7 +2,7 @@
 
     subjects (CaPT / Deep Prompt-Tuning runs, the base model with the adapter disabled, or a bare model)
     -> sampled examples -> attention per stream with the slots kept (capture.py), averaged over heads
-    -> anchor numbers per layer (metrics.py), averaged over examples -> `AttentionStudy`
+    -> anchor numbers per layer (anchors.py), averaged over examples -> `AttentionStudy`
 
 Token-level maps differ in length and content between examples, so the maps kept for plotting are those of
 one example (`show`); the numbers and the role matrices are averaged over all sampled examples.
@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ...model import CaptModel
 from ..backbones import load_backbone
 from ..data import Example
 from ..formats import T5Format, TaskFormat, head_outputs, make_format
-from ..model import CaptModel
-from ..train import RunConfig, load_run
+from ..run import RunConfig, load_run
+from .anchors import METRICS, anchor_metrics, role_matrix, structural_share
 from .capture import capture_attention, use_eager_attention
-from .metrics import METRICS, anchor_metrics, role_matrix, structural_share
 from .tokens import roles, slot_names, special_positions, structural_positions
 
 # Which sequence axes a stream's queries and keys run along: the source (input_ids) or the T5 target.

@@ -15,19 +15,24 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import yaml
+from ..saving import atomic_write_text
+from . import MissingExtraError, require_train_extra
 
-from .train import RESULTS_NAME, RunConfig
-
-COMPARISON_NAME = "comparison"
+if TYPE_CHECKING:
+    from .run import RunConfig
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        require_train_extra()  # before any recipe module is imported: they need the extra
+    except MissingExtraError as err:
+        print(f"capt: error: {err}", file=sys.stderr)
+        return 1
     if argv[:1] == ["bench"]:  # the benchmark harness has its own flags (capt bench --help)
-        from .benchmark import main as bench
+        from .bench import main as bench
 
         return bench(argv[1:])
     parser = _parser()
@@ -79,6 +84,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_run_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
     """One flag per RunConfig field (defaults None: only flags the user gave override the YAML file)."""
+    from .run import RunConfig
+
     parser.add_argument("--config", help="YAML file of RunConfig settings (see configs/)")
     parser.add_argument("--seeds", type=int, default=1, help="train seeds seed..seed+N-1; report mean and std")
     parser.add_argument("--overwrite", action="store_true", help="replace results already in --output-dir")
@@ -103,6 +110,10 @@ def _field_type(spec: dataclasses.Field) -> type:
 
 def run_config(args: argparse.Namespace, **fixed: Any) -> RunConfig:
     """RunConfig from defaults < YAML (--config) < flags < `fixed`."""
+    import yaml
+
+    from .run import RunConfig
+
     settings: dict[str, Any] = {}
     if args.config:
         loaded = yaml.safe_load(Path(args.config).read_text()) or {}
@@ -123,45 +134,9 @@ def run_config(args: argparse.Namespace, **fixed: Any) -> RunConfig:
     return RunConfig(**settings)
 
 
-def train_seeds(config: RunConfig, seeds: int, overwrite: bool, resume: bool = False) -> dict[str, Any]:
-    """Train `seeds` seeds (one writes into output_dir, several into output_dir/seed-<n>); output_dir/results.json
-    gets the summary over seeds (mean and std of every test metric, the per-seed results under "runs").
-
-    `resume` continues an interrupted run: finished seeds are read back, a seed with a checkpoint continues
-    from it, the others start fresh.
-    """
-    from .reporting import aggregate_seeds
-    from .train import CHECKPOINT_NAME, train
-
-    out = Path(config.output_dir)
-    if (out / RESULTS_NAME).exists():
-        if resume:
-            return json.loads((out / RESULTS_NAME).read_text())
-        if not overwrite:
-            raise FileExistsError(f"{out} already holds {RESULTS_NAME}; pass --overwrite to replace it")
-
-    if resume and not any(out.rglob(CHECKPOINT_NAME)):
-        raise FileNotFoundError(f"cannot resume: no {CHECKPOINT_NAME} under {out}")
-
-    def run(seed_config: RunConfig) -> dict[str, Any]:
-        seed_out = Path(seed_config.output_dir)
-        if resume and seeds > 1 and (seed_out / RESULTS_NAME).exists():
-            return json.loads((seed_out / RESULTS_NAME).read_text())
-        return train(seed_config, resume=resume and (seed_out / CHECKPOINT_NAME).exists())
-
-    if seeds == 1:
-        runs = [run(config)]
-    else:
-        runs = [
-            run(dataclasses.replace(config, seed=config.seed + k, output_dir=str(out / f"seed-{config.seed + k}")))
-            for k in range(seeds)
-        ]
-    summary = aggregate_seeds(runs)
-    (out / RESULTS_NAME).write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
-
-
 def _train(args: argparse.Namespace) -> int:
+    from .experiments import train_seeds
+
     config = run_config(args)
     summary = train_seeds(config, args.seeds, args.overwrite, resume=args.resume)
     _print_summary(summary)
@@ -178,7 +153,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .train import encode_cached, evaluate, load_run, load_splits
+    from .evaluate import encode_cached, evaluate, load_splits
+    from .run import load_run
 
     config, model, fmt = load_run(args.adapter)
     config = dataclasses.replace(config, task=args.task or config.task, data_dir=args.data_dir or config.data_dir)
@@ -186,7 +162,7 @@ def _eval(args: argparse.Namespace) -> int:
     examples = load_splits(config)[args.split]
     scores = evaluate(model, fmt, encode_cached(fmt, examples, config), examples, config.eval_batch_size)
     out = Path(args.adapter) / f"eval-{config.task}-{args.split}.json"
-    out.write_text(json.dumps({"task": config.task, "split": args.split, **scores}, indent=2) + "\n")
+    atomic_write_text(out, json.dumps({"task": config.task, "split": args.split, **scores}, indent=2) + "\n")
     print(f"{config.task} {args.split}: " + ", ".join(f"{k} {100 * v:.2f}" for k, v in scores.items()) + f"  ({out})")
     return 0
 
@@ -203,27 +179,11 @@ def _predict(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from .reporting import comparison_table
+    from .experiments import compare
 
-    base = run_config(args, task="rte", method="capt")
-    root = Path(base.output_dir)
-    results = []
-    for task in args.tasks.split(","):
-        for method in args.methods.split(","):
-            config = dataclasses.replace(
-                run_config(args, task=task, method=method), output_dir=str(root / task / method)
-            )
-            done = Path(config.output_dir) / RESULTS_NAME
-            if done.exists() and not args.overwrite:  # a comparison resumes where it stopped
-                results.append(json.loads(done.read_text()))
-                continue
-            results.append(train_seeds(config, args.seeds, overwrite=True))
-    table = comparison_table(results)
-    (root / f"{COMPARISON_NAME}.md").write_text(table)
-    (root / f"{COMPARISON_NAME}.json").write_text(
-        json.dumps([{k: v for k, v in r.items() if k != "runs"} for r in results], indent=2) + "\n"
-    )
-    print(table)
+    tasks, methods = args.tasks.split(","), args.methods.split(",")
+    configs = [run_config(args, task=task, method=method) for task in tasks for method in methods]
+    print(compare(configs, args.seeds, args.overwrite))
     return 0
 
 

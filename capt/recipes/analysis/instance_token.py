@@ -20,13 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capsule import Capsules, masked_mean
-from ..config import CaptConfig
+from ...capsule import Capsules, masked_mean
+from ...config import CaptConfig
+from ...injector import CapsuleInjector
+from ...model import CaptModel
 from ..data import Example
+from ..evaluate import evaluate
 from ..formats import TaskFormat
-from ..injector import CapsuleInjector
-from ..model import CaptModel
-from ..train import evaluate
 
 
 class InstanceTokenCapsules(torch.nn.Module):
@@ -64,7 +64,7 @@ def instance_tokens(model: CaptModel, k: int) -> Iterator[CaptModel]:
 
     Example:
         >>> import torch, capt
-        >>> from capt.backbones import load_backbone
+        >>> from capt.recipes.backbones import load_backbone
         >>> model = capt.get_capt_model(load_backbone("tiny-llama").model,
         ...                             capt.CaptConfig(num_slots=3, instance_aware=False))
         >>> ids = torch.tensor([[5, 6, 7]])

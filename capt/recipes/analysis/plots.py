@@ -6,21 +6,13 @@ from pathlib import Path
 
 import torch
 
+from ..reporting import pyplot
+from .anchors import GROUPS
 from .attention import StreamMap, StreamSummary
-from .metrics import GROUPS
 from .tokens import SLOT, STRUCTURAL
 
 ROLE_COLORS = {SLOT: "#c0392b", STRUCTURAL: "#1f5fbf"}  # input tokens stay black
 INPUT_COLOR = "#222222"
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: works without a display
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _shown(m: StreamMap, max_tokens: int) -> tuple[torch.Tensor, int, int, str]:
@@ -58,7 +50,7 @@ def plot_token_map(path: Path, m: StreamMap, title: str, max_tokens: int = 48) -
         >>> plot_token_map(Path(tempfile.mkdtemp()) / "map.png", m, "demo").stat().st_size > 0
         True
     """
-    plt = _pyplot()
+    plt = pyplot()
     matrix, queries, keys, note = _shown(m, max_tokens)
     size = 2.5 + 0.16 * keys
     figure, axes = plt.subplots(figsize=(size + 1.2, 2.5 + 0.16 * queries))
@@ -73,7 +65,7 @@ def plot_token_map(path: Path, m: StreamMap, title: str, max_tokens: int = 48) -
 
 def plot_layer_maps(path: Path, m: StreamMap, title: str, max_tokens: int = 48) -> Path:
     """One heatmap per layer (averaged over heads), in a grid."""
-    plt = _pyplot()
+    plt = pyplot()
     matrix, queries, keys, note = _shown(m, max_tokens)
     layers = matrix.shape[0]
     columns = min(layers, 3)
@@ -96,7 +88,7 @@ def plot_layer_maps(path: Path, m: StreamMap, title: str, max_tokens: int = 48) 
 
 def plot_role_matrices(path: Path, summaries: dict[str, StreamSummary], title: str) -> Path:
     """Group-to-group attention (anchor / structural / input) of each subject, averaged over examples."""
-    plt = _pyplot()
+    plt = pyplot()
     figure, grid = plt.subplots(1, len(summaries), figsize=(max(3.4 * len(summaries), 6.0), 3.4), squeeze=False)
     for axes, (name, summary) in zip(grid.flat, summaries.items(), strict=True):
         values = torch.tensor([[float("nan") if v is None else v for v in row] for row in summary.role_matrix])
@@ -118,7 +110,7 @@ def plot_role_matrices(path: Path, summaries: dict[str, StreamSummary], title: s
 
 def plot_by_layer(path: Path, summaries: dict[str, StreamSummary], metrics: dict[str, str], title: str) -> Path:
     """One panel per metric: its value per layer, one line per subject."""
-    plt = _pyplot()
+    plt = pyplot()
     figure, grid = plt.subplots(1, len(metrics), figsize=(3.6 * len(metrics), 3.0), squeeze=False)
     for axes, (metric, label) in zip(grid.flat, metrics.items(), strict=True):
         for name, summary in summaries.items():
@@ -141,7 +133,7 @@ def plot_instance_tokens(path: Path, scores: dict[int, float], title: str) -> Pa
         >>> plot_instance_tokens(Path(tempfile.mkdtemp()) / "k.png", {0: 0.6, 1: 0.62}, "demo").stat().st_size > 0
         True
     """
-    plt = _pyplot()
+    plt = pyplot()
     figure, axes = plt.subplots(figsize=(1.2 + 1.0 * len(scores), 3.2))
     ks = list(scores)
     bars = axes.bar([str(k) for k in ks], [100 * scores[k] for k in ks], color="#4c72b0")

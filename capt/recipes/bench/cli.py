@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as hf_logging
 
-from .backbones import BACKBONES, RandomSize
+from ..backbones import RandomSize
 from .methods import METHODS, parse_methods
 from .report import environment, evaluate_targets, write_all
-from .run import Options, log_to_stderr, run_backbone
+from .run import BACKBONES, Options, log_to_stderr, run_backbone
 
 
 def build_parser() -> argparse.ArgumentParser:

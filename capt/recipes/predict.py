@@ -12,12 +12,13 @@ from pathlib import Path
 
 import torch
 
+from ..bank import load_bank
+from ..saving import atomic_write
 from .backbones import load_backbone
-from .bank import load_bank
 from .data import TASKS, DataFormatError, Example, parse_record
 from .data.superglue import read_jsonl
 from .formats import head_outputs, make_format
-from .train import RUN_CONFIG_NAME, RunConfig
+from .run import ADAPTER_DIR, read_run_config
 
 
 def read_mixed_input(path: Path, tasks: set[str]) -> list[tuple[int, str, list[Example]]]:
@@ -36,7 +37,7 @@ def read_mixed_input(path: Path, tasks: set[str]) -> list[tuple[int, str, list[E
 @torch.no_grad()
 def predict_file(runs: dict[str, Path], input_path: Path, output_path: Path, batch_size: int = 32) -> int:
     """Write one prediction per example of `input_path` (in input order) to `output_path`; returns the count."""
-    configs = {task: _run_config(run) for task, run in runs.items()}
+    configs = {task: read_run_config(run) for task, run in runs.items()}
     for task, config in configs.items():
         if config.task != task or config.method != "capt":
             raise ValueError(f"{runs[task]} is a {config.method} run on {config.task}, not a CaPT run on {task}")
@@ -45,7 +46,7 @@ def predict_file(runs: dict[str, Path], input_path: Path, output_path: Path, bat
         raise ValueError(f"the runs use different backbones {sorted(models)}; a bank shares one")
     first = next(iter(configs.values()))
     backbone = load_backbone(first.model, num_labels=head_outputs(first.task))
-    bank = load_bank(backbone.model, {task: runs[task] / "adapter" for task in runs})
+    bank = load_bank(backbone.model, {task: runs[task] / ADAPTER_DIR for task in runs})
     rows = read_mixed_input(input_path, set(runs))
 
     predictions: dict[tuple[int, int], str] = {}
@@ -60,20 +61,10 @@ def predict_file(runs: dict[str, Path], input_path: Path, output_path: Path, bat
             for (key, ex), choice in zip(chunk, fmt.predict(bank, batch), strict=True):
                 predictions[key] = ex.candidates[choice] if task == "record" else TASKS[task].labels[choice]
 
-    tmp = output_path.with_name(f".{output_path.name}.tmp")
-    with tmp.open("w") as out:
-        for number, task, examples in rows:
-            for i, ex in enumerate(examples):
-                out.write(
-                    json.dumps({"line": number, "task": task, "idx": ex.idx, "prediction": predictions[(number, i)]})
-                    + "\n"
-                )
-    tmp.replace(output_path)
+    lines = [
+        json.dumps({"line": number, "task": task, "idx": ex.idx, "prediction": predictions[(number, i)]}) + "\n"
+        for number, task, examples in rows
+        for i, ex in enumerate(examples)
+    ]
+    atomic_write(output_path, lambda tmp: Path(tmp).write_text("".join(lines)))
     return len(predictions)
-
-
-def _run_config(run: Path) -> RunConfig:
-    config_file = run / RUN_CONFIG_NAME
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{run} is not a run folder from `capt train`: no {RUN_CONFIG_NAME}")
-    return RunConfig(**json.loads(config_file.read_text()))

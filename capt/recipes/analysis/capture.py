@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..layers import model_family
+from ...sites import model_family
 
 # encoder: bidirectional self-attention; decoder: causal self-attention; cross: T5 decoder -> encoder memory.
 STREAMS = ("encoder", "decoder", "cross")
@@ -27,7 +27,7 @@ def use_eager_attention(model: nn.Module) -> None:
     returns attention weights; SDPA does not.
 
     Example:
-        >>> from capt.backbones import load_backbone
+        >>> from capt.recipes.backbones import load_backbone
         >>> backbone = load_backbone("tiny-llama")
         >>> use_eager_attention(backbone.model)
         >>> backbone.model.config._attn_implementation
@@ -47,7 +47,7 @@ def capture_attention(model: nn.Module, inputs: Mapping[str, Any]) -> dict[str, 
 
     Example:
         >>> import torch, capt
-        >>> from capt.backbones import load_backbone
+        >>> from capt.recipes.backbones import load_backbone
         >>> base = load_backbone("tiny-llama").model
         >>> use_eager_attention(base)
         >>> model = capt.get_capt_model(base, capt.CaptConfig())

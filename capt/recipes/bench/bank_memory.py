@@ -5,7 +5,7 @@ For 1, 10 and 100 task adapters on one frozen MiniLM classifier it measures the 
 of one batch whose rows cycle through all tasks against the same batch on one adapter. (Process RSS is not
 reported: the allocator reuses freed memory, so its growth does not track a megabyte of adapters.)
 
-    python benchmarks/bank_memory.py        # writes benchmarks/results/bank_memory.{md,json}
+    python -m capt.recipes.bench.bank_memory   # writes benchmarks/results/bank_memory.{md,json}
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from transformers import AutoModelForSequenceClassification
 
 import capt
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path("benchmarks/results")  # relative to the repository root, where the command runs
 
 
 def tensor_bytes(tensors) -> int:

@@ -8,6 +8,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from .metrics import superglue_average
+
 LOG_JSONL = "metrics.jsonl"
 LOG_CSV = "metrics.csv"
 CURVES_PNG = "learning_curves.png"
@@ -62,13 +64,19 @@ def read_log(directory: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in handle if line.strip()]
 
 
-def plot_learning_curves(directory: Path) -> Path:
-    """Training loss per step and validation score per epoch, side by side."""
+def pyplot():
+    """`matplotlib.pyplot` on the file-only Agg backend: every figure of the recipes works without a display."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_learning_curves(directory: Path) -> Path:
+    """Training loss per step and validation score per epoch, side by side."""
+    plt = pyplot()
     records = read_log(directory)
     steps = [r for r in records if r["kind"] == "step"]
     epochs = [r for r in records if r["kind"] == "epoch"]
@@ -121,18 +129,18 @@ def comparison_table(results: list[dict[str, Any]]) -> str:
     header = ["method", *tasks, "average", "trainable params (%)", "wall time"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for method in methods:
-        row, scores, params, seconds = [method], [], "", 0.0
+        row, scores, params, seconds = [method], {}, "", 0.0
         for task in tasks:
             r = cell.get((method, task))
             if r is None:
                 row.append("n/a")
                 continue
             mean, std = r["score"]["mean"], r["score"]["std"]
-            scores.append(mean)
+            scores[task] = mean
             row.append(f"{100 * mean:.1f} ± {100 * std:.1f}")
             params = f"{r['trainable_params']:,} ({r['trainable_percent']:.4f}%)"
             seconds += r["wall_time_s"]
-        row.append(f"{100 * statistics.fmean(scores):.1f}" if len(scores) == len(tasks) else "n/a")
+        row.append(f"{100 * superglue_average(scores):.1f}" if len(scores) == len(tasks) else "n/a")
         row += [params, f"{seconds / 60:.1f} min"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"

@@ -113,15 +113,6 @@ def t5_label_words(task: str) -> list[str]:
     return list(TASKS[task].labels)
 
 
-def t5_target(example: Example) -> str:
-    """The target string of a labelled example: its label word, or for ReCoRD its first gold candidate."""
-    if example.label is None:
-        raise ValueError(f"{example.task} example {example.idx!r} has no label (test split)")
-    if example.task == "record":
-        return example.candidates[example.label]
-    return t5_label_words(example.task)[example.label]
-
-
 def _detokenize(text: str) -> str:
     # lm_eval.utils.general_detokenize: WSC texts are whitespace-tokenised ("Bernard , who ...").
     for old, new in ((" n't", "n't"), (" )", ")"), ("( ", "("), ('" ', '"'), (' "', '"')):

@@ -1,6 +1,6 @@
 """`capt bench`: training-step time and peak memory of CaPT against its floor and the PEFT baselines.
 
-Run it as `capt bench ...` or `python -m capt.benchmark ...`; `benchmarks/README.md` explains the
+Run it as `capt bench ...` or `python -m capt.recipes.bench ...`; `benchmarks/README.md` explains the
 measurements. Importing this package runs nothing.
 """
 

@@ -4,7 +4,7 @@ For every task/method/seed run under COMPARE_DIR it reads metrics.jsonl and find
 validation score (the one early stopping keeps) and the wall time elapsed when it ended; the table gives the
 mean over seeds and each method's time relative to CaPT's.
 
-    python benchmarks/time_to_accuracy.py results/minilm-cb-full --out benchmarks/results/time_to_accuracy
+    python -m capt.recipes.bench.time_to_accuracy results/minilm-cb-full --out benchmarks/results/time_to_accuracy
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 import statistics
 from pathlib import Path
 
-from capt.reporting import read_log
+from ..reporting import read_log
 
 
 def best_epoch_and_time(run_dir: Path) -> tuple[int, float]:
@@ -68,7 +68,7 @@ def main() -> None:
     args.out.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(
         f"# Time to accuracy\n\nFrom the logs of `{args.compare_dir}` "
-        f"(`python benchmarks/time_to_accuracy.py {args.compare_dir} --out {args.out}`).\n\n" + table(rows)
+        f"(`python -m capt.recipes.bench.time_to_accuracy {args.compare_dir} --out {args.out}`).\n\n" + table(rows)
     )
     print(table(rows))
 

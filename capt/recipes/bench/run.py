@@ -12,12 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model import count_parameters
-from .backbones import Backbone, RandomSize, build_backbone
+from ...model import count_parameters
+from ..backbones import Backbone, RandomSize, load_backbone, random_backbone
+from .inputs import floor_inputs, synthetic_batch
 from .measure import TrainStep, interleaved, peak_bytes
-from .methods import Method, attach, floor_inputs
+from .methods import Method, attach
 
 GENERATE_METHODS = ("floor", "capt-add", "prompt-tuning-100")
+BACKBONES = ("minilm", "llama", "t5")
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,23 @@ class Options:
     gen_batch_size: int
     seed: int
     clock: str  # "cpu" or "wall": which measurement the ratios use
+
+
+def build_backbone(name: str, size: RandomSize, seed: int) -> Backbone:
+    """One benchmark backbone, in training mode (dropout on, as in a real training step).
+
+    `minilm` has its real weights and a 2-way classifier; `llama` and `t5` are random-weight models with the width
+    and head/FFN proportions of real models, only depth and vocabulary cut so a run fits a CPU budget. Every method
+    adds a per-layer cost to a per-layer cost, so the ratios barely depend on depth.
+    """
+    if name == "minilm":
+        backbone = load_backbone("minilm", num_labels=2, seed=seed)
+        backbone.model.train()
+        backbone.description = "all-MiniLM-L6-v2, real weights: BERT encoder, 6 layers, d=384, sequence classifier"
+        return backbone
+    if name in ("llama", "t5"):
+        return random_backbone(name, size, seed)
+    raise ValueError(f"unknown backbone {name!r}; choose from {', '.join(BACKBONES)}")
 
 
 def run_backbone(name: str, options: Options, log: Callable[[str], None]) -> dict:
@@ -57,7 +76,7 @@ def run_backbone(name: str, options: Options, log: Callable[[str], None]) -> dic
             log(f"  {method.name}: cannot be built: {entry['error']}")
             continue
         entry["trainable"] = count_parameters(models[method.name])[0]
-        if method.family == "prefix" and backbone.task == "seq2seq":
+        if method.method == "ptv2" and backbone.family == "encoder-decoder":
             entry["not_a_peer"] = (
                 "PEFT puts prefixes only into the decoder of an encoder-decoder model (peft#2989): no gradient "
                 "reaches the encoder, so it is no input-side method and is left out of the peer targets"
@@ -69,7 +88,7 @@ def run_backbone(name: str, options: Options, log: Callable[[str], None]) -> dic
     gc.freeze()
     try:
         _train_cells(backbone, steps, options, result, log)
-        if backbone.task == "causal" and options.gen_lengths:
+        if backbone.family == "decoder" and options.gen_lengths:
             usable = {name: model for name, model in models.items() if "error" not in result["methods"][name]}
             result["generate"] = _generate_latency(backbone, usable, options, log)
     finally:
@@ -83,7 +102,7 @@ def _train_cells(
     """Time and memory of every method at every length."""
     for length, tokens in _fitting_lengths(backbone, options, result["notes"]):
         started = time.perf_counter()
-        batch = backbone.batch(options.batch_size, tokens, options.seed)
+        batch = synthetic_batch(backbone, options.batch_size, tokens, options.seed)
         for name, step in steps.items():
             step.inputs = floor_inputs(batch) if name == "floor" else batch
         peaks = _memory_round(steps, result["methods"], log)
@@ -141,7 +160,7 @@ def _generate_latency(backbone: Backbone, models: dict, options: Options, log: C
     result = {"new_tokens": options.gen_new_tokens, "batch_size": options.gen_batch_size, "lengths": {}, "errors": {}}
     for length in options.gen_lengths:
         started = time.perf_counter()
-        prompt = backbone.batch(options.gen_batch_size, length, options.seed + 1)
+        prompt = synthetic_batch(backbone, options.gen_batch_size, length, options.seed + 1)
         kwargs = {
             "input_ids": prompt["input_ids"],
             "attention_mask": prompt["attention_mask"],

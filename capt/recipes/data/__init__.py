@@ -21,7 +21,6 @@ from .templates import (
     lm_prompt,
     t5_input,
     t5_label_words,
-    t5_target,
 )
 
 __all__ = [
@@ -43,5 +42,4 @@ __all__ = [
     "resolve_data_dir",
     "t5_input",
     "t5_label_words",
-    "t5_target",
 ]

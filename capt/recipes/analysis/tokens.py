@@ -3,7 +3,7 @@
 *Structural* tokens are the ones the task format adds around the example's text: special tokens ([CLS], [SEP],
 </s>, ...) and template words ("rte", "hypothesis", ":", "Question", "Answer"). They are found by encoding the
 same example with every text field emptied (the *skeleton*) and aligning the skeleton's tokens with the real
-ones, so the templates in `capt.data.templates` stay the only place that knows them. Words a field selects
+ones, so the templates in `capt.recipes.data.templates` stay the only place that knows them. Words a field selects
 from the template (COPA's "because"/"so") count as input.
 """
 
@@ -14,12 +14,11 @@ from difflib import SequenceMatcher
 
 from transformers import PreTrainedTokenizerBase
 
-from ..config import CaptConfig
+from ...config import CaptConfig
 from ..data import Example
 from ..formats import CausalLMFormat, TaskFormat
 
 SLOT, STRUCTURAL, INPUT = "slot", "structural", "input"
-ROLES = (SLOT, STRUCTURAL, INPUT)
 
 
 def slot_names(config: CaptConfig | None) -> list[str]:
@@ -58,8 +57,8 @@ def structural_positions(fmt: TaskFormat, example: Example, row: int) -> set[int
     For a decoder-only format the answer continuation at the end of the row is input, not template.
 
     Example:
-        >>> from capt.backbones import load_backbone
-        >>> from capt.formats import make_format
+        >>> from capt.recipes.backbones import load_backbone
+        >>> from capt.recipes.formats import make_format
         >>> fmt = make_format("encoder", "rte", load_backbone("minilm").tokenizer, 64)
         >>> ex = Example("rte", 0, {"premise": "A cat sat.", "hypothesis": "A cat."}, 0)
         >>> sorted(structural_positions(fmt, ex, 0))  # [CLS] a cat sat . [SEP] a cat . [SEP]
@@ -79,7 +78,7 @@ def special_positions(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> set
     """Positions of special tokens ([CLS], [SEP], <s>, </s>, padding; an unknown word is not one).
 
     Example:
-        >>> from capt.backbones import load_backbone
+        >>> from capt.recipes.backbones import load_backbone
         >>> tokenizer = load_backbone("minilm").tokenizer
         >>> sorted(special_positions(tokenizer, tokenizer("a cat")["input_ids"]))
         [0, 3]

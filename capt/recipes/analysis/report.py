@@ -12,8 +12,10 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ..model import CaptModel
-from ..train import RESULTS_NAME, RunConfig, encode_cached, evaluate, load_run, load_splits
+from ...model import CaptModel
+from ..evaluate import encode_cached, evaluate, load_splits
+from ..run import RESULTS_NAME, RunConfig, load_run
+from .anchors import GROUPS, METRICS
 from .attention import (
     AttentionStudy,
     Subject,
@@ -23,7 +25,6 @@ from .attention import (
     subjects_from_runs,
 )
 from .instance_token import instance_token_scores
-from .metrics import GROUPS, METRICS
 from .plots import plot_by_layer, plot_instance_tokens, plot_layer_maps, plot_role_matrices, plot_token_map
 
 REPORT_NAME = "report.md"

@@ -13,7 +13,8 @@ import peft
 import torch
 import transformers
 
-from .. import __version__
+from ... import __version__
+from ..reporting import pyplot
 from .methods import METHODS
 
 TRAIN_LIMIT = 1.05  # capt-add training step, x floor
@@ -127,12 +128,9 @@ def markdown(results: dict, image: str) -> str:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import FixedLocator, FormatStrFormatter, LogLocator, NullFormatter
 
+    plt = pyplot()
     backbones = list(results["backbones"])
     names = [name for name in results["config"]["methods"] if name != "floor"]
     colors = dict(zip(names, plt.get_cmap("tab20").colors, strict=False))  # the default cycle repeats after 10

@@ -2,14 +2,14 @@
 (Finding II). `capt analyze attention` and `capt analyze instance-token` run them; each writes one report folder.
 
 Layout: `capture.py` (attention weights with the slots kept), `tokens.py` (slot / structural / input roles),
-`metrics.py` (the anchor numbers), `attention.py` (models, examples, averaging), `instance_token.py`,
+`anchors.py` (the anchor numbers), `attention.py` (models, examples, averaging), `instance_token.py`,
 `plots.py` and `report.py` (PNG, JSON and report.md).
 """
 
+from .anchors import METRICS, anchor_metrics, role_matrix
 from .attention import AttentionStudy, StreamMap, Subject, analyze_attention, example_maps
 from .capture import capture_attention, use_eager_attention
 from .instance_token import instance_token_scores, instance_tokens
-from .metrics import METRICS, anchor_metrics, role_matrix
 from .report import AttentionOptions, InstanceTokenOptions, write_attention_report, write_instance_token_report
 
 __all__ = [

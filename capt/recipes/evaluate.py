@@ -1,0 +1,87 @@
+"""Scoring a model on a split, and the tokenisation cache both training and scoring read.
+
+load_splits(config) -> encode_cached(fmt, examples, config) -> evaluate(model, fmt, features, examples, ...)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..saving import atomic_write
+from .data import Example, paper_splits
+from .formats import TaskFormat
+from .metrics import task_metrics
+from .run import RunConfig
+
+FEATURES_VERSION = 2  # bump when TaskFormat.encode changes, so cached tokenisations are rebuilt
+
+
+def load_splits(config: RunConfig) -> dict[str, list[Example]]:
+    """The paper's train/validation/test splits of config.task, cut to limit_train / limit_eval if set."""
+    splits = paper_splits(config.task, config.data_dir, seed=config.split_seed)
+    limits = {"train": config.limit_train, "validation": config.limit_eval, "test": config.limit_eval}
+    return {name: examples[: limits[name]] if limits[name] else examples for name, examples in splits.items()}
+
+
+def encode_cached(fmt: TaskFormat, examples: list[Example], config: RunConfig) -> list[dict]:
+    """Tokenise once per (task, split content, tokenizer, family, max length); later runs read the cache."""
+    key = json.dumps(
+        [
+            FEATURES_VERSION,
+            type(fmt).__name__,
+            fmt.task,
+            fmt.max_length,
+            fmt.tokenizer.name_or_path,
+            len(fmt.tokenizer),
+            [str(ex.idx) for ex in examples],
+        ]
+    )
+    path = Path(config.cache_dir) / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt"
+    if path.is_file():
+        return torch.load(path)
+    features = [fmt.encode(ex) for ex in examples]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda tmp: torch.save(features, tmp))
+    return features
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    fmt: TaskFormat,
+    features: list[dict],
+    examples: list[Example],
+    batch_size: int,
+    device: torch.device | str = "cpu",
+) -> dict[str, float]:
+    """Predict every example (in length order, for less padding) and compute the task's metrics."""
+    model.eval()
+    order = sorted(range(len(features)), key=lambda i: fmt.length(features[i]))
+    predictions: dict[int, int] = {}
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        batch = to_device(fmt.collate([features[i] for i in chunk]), device)
+        predictions.update(zip(chunk, fmt.predict(model, batch), strict=True))
+    preds = [predictions[i] for i in range(len(examples))]
+    if fmt.task == "record":
+        return task_metrics(
+            "record",
+            [ex.candidates[p] if p >= 0 else "" for ex, p in zip(examples, preds, strict=True)],  # -1: no match
+            [list(ex.answers) for ex in examples],
+        )
+    return task_metrics(fmt.task, preds, [ex.label for ex in examples], groups=[ex.group for ex in examples])
+
+
+def to_device(value: Any, device) -> Any:
+    """Move the tensors of a (nested) batch to `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    return value

@@ -1,0 +1,101 @@
+"""Every fine-tuning method the recipes compare, by name: the one registry `capt train`, `compare` and `bench` use.
+
+`capt` and `deep-prompt` come from this library; `prompt` (Prompt Tuning), `ptv2` (P-Tuning v2 / prefix
+tuning), `lora` and `ia3` come from `peft`; `head` trains only the classifier; `full` trains everything.
+
+The baselines are built as their papers define them:
+- Prompt Tuning on T5 prompts the encoder only (Lester et al.; the CaPT paper's baseline). PEFT's seq2seq
+  default would also prompt the decoder (`num_transformer_submodules=2`).
+- Deep Prompt-Tuning slots start from N(0, 0.02^2): m zero-initialised slots would be interchangeable (an encoder
+  gives them no positions), receive identical gradients and stay identical.
+- LoRA uses alpha = 2r on PEFT's default target modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..config import CaptConfig
+from ..model import get_capt_model
+from .backbones import Backbone
+
+METHODS = ("capt", "deep-prompt", "prompt", "ptv2", "lora", "ia3", "head", "full")
+PEFT_METHODS = ("prompt", "ptv2", "lora", "ia3")
+_PEFT_TASK_TYPES = {"encoder": "SEQ_CLS", "encoder-decoder": "SEQ_2_SEQ_LM", "decoder": "CAUSAL_LM"}
+
+
+@dataclass(frozen=True)
+class MethodOptions:
+    variant: str = "add"  # capt: add | prepend | extract | project
+    deep_prompt_slots: int = 10  # deep-prompt: m task slots per layer
+    virtual_tokens: int = 20  # prompt / ptv2: soft-prompt length
+    lora_rank: int = 8
+
+
+def apply_method(backbone: Backbone, method: str, options: MethodOptions | None = None) -> nn.Module:
+    """Wrap `backbone.model` for `method`; returns the module to train (its trainable parameters set).
+
+    Example:
+        >>> from capt.recipes.backbones import load_backbone
+        >>> model = apply_method(load_backbone("tiny-llama"), "capt")
+        >>> model.get_nb_trainable_parameters()[0]
+        128
+    """
+    options = options or MethodOptions()
+    base = backbone.model
+    if method in ("capt", "deep-prompt"):
+        return get_capt_model(base, capt_config(method, options))
+    if method in PEFT_METHODS:
+        import peft
+
+        return peft.get_peft_model(base, peft_config(method, backbone.family, options))
+    if method == "head":
+        head = _classifier_name(base)
+        if head is None:
+            raise ValueError(
+                f"method 'head' trains a classification head, and {type(base).__name__} has none: "
+                "use an encoder backbone (e.g. --model minilm)"
+            )
+        base.requires_grad_(False)
+        base.get_submodule(head).requires_grad_(True)
+        return base
+    if method == "full":
+        return base.requires_grad_(True)
+    raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+
+
+def capt_config(method: str, options: MethodOptions) -> CaptConfig:
+    """The CaptConfig of `capt` (one instance-aware capsule per layer) or `deep-prompt` (m learned slots)."""
+    if method == "capt":
+        return CaptConfig(variant=options.variant)
+    return CaptConfig(num_slots=options.deep_prompt_slots, instance_aware=False, init="normal")
+
+
+def peft_config(method: str, family: str, options: MethodOptions):
+    """The `peft` config of a PEFT baseline on a backbone family."""
+    import peft
+
+    task_type = _PEFT_TASK_TYPES[family]
+    if method == "prompt":
+        encoder_only = {"num_transformer_submodules": 1} if family == "encoder-decoder" else {}
+        return peft.PromptTuningConfig(task_type=task_type, num_virtual_tokens=options.virtual_tokens, **encoder_only)
+    if method == "ptv2":
+        return peft.PrefixTuningConfig(task_type=task_type, num_virtual_tokens=options.virtual_tokens)
+    if method == "lora":
+        return peft.LoraConfig(task_type=task_type, r=options.lora_rank, lora_alpha=2 * options.lora_rank)
+    if method == "ia3":
+        return peft.IA3Config(task_type=task_type)
+    raise ValueError(f"{method!r} is not a PEFT method; PEFT methods: {', '.join(PEFT_METHODS)}")
+
+
+def extra_positions(method: str, options: MethodOptions) -> int:
+    """Sequence positions the method puts in front of the user's tokens (prefix tuning adds keys, not positions)."""
+    if method in ("capt", "deep-prompt"):
+        return capt_config(method, options).slots_per_layer
+    return options.virtual_tokens if method == "prompt" else 0
+
+
+def _classifier_name(model: nn.Module) -> str | None:
+    return next((name for name in ("classifier", "score") if hasattr(model, name)), None)

@@ -1,0 +1,311 @@
+"""The SuperGLUE training recipe: one self-contained run, in named steps.
+
+    setup:   data (the paper's split, tokenised and cached) -> model (backbone + method) -> optimizer
+    train:   epochs of batches, a validation score per epoch, early stopping, crash-safe checkpoints
+    finish:  restore the best epoch -> score the test split (official val) -> results.json
+
+Runs on Accelerate, so `accelerate launch capt train ...` is data-parallel with no code change.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from safetensors.torch import save_file
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import get_linear_schedule_with_warmup
+from transformers.optimization import Adafactor
+
+from ..model import CaptModel, count_parameters
+from ..saving import atomic_write, atomic_write_text
+from .evaluate import encode_cached, evaluate, load_splits, to_device
+from .reporting import MetricsLog, plot_learning_curves
+from .run import (
+    ADAPTER_DIR,
+    CHECKPOINT_NAME,
+    RESULTS_NAME,
+    RUN_CONFIG_NAME,
+    TRAINABLE_NAME,
+    RunConfig,
+    build_model,
+    load_trainable_state,
+    trainable_state,
+)
+
+
+@dataclass
+class Progress:
+    """Where a run stands: everything besides weights and optimizer that a resumed run must restore."""
+
+    epoch: int = 1  # the epoch to run next
+    batch: int = 0  # the next batch of that epoch
+    step: int = 0  # batches done so far
+    best_score: float = -1.0
+    best_epoch: int = 0
+    epochs_run: int = 0
+    elapsed_s: float = 0.0
+    stopped: bool = False  # early stopping has ended the run
+
+
+def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
+    """Run one seed of `config`; writes logs, checkpoints, the best trainable weights and results.json.
+
+    With `resume`, continues from `output_dir/checkpoint.pt` (written atomically every `checkpoint_every`
+    batches and at each epoch end); on CPU with the same seed the result equals an uninterrupted run.
+
+    Example:
+        >>> results = train(RunConfig(task="cb", model="tiny-llama", epochs=1, limit_train=8))  # doctest: +SKIP
+    """
+    recipe = TrainingRecipe(config)
+    recipe.setup(resume)
+    recipe.train()
+    return recipe.finish()
+
+
+class TrainingRecipe:
+    """The steps of one run; `train()` above calls them in order."""
+
+    def __init__(self, config: RunConfig):
+        self.config = config
+        self.out = Path(config.output_dir)
+        self.checkpoint_file = self.out / CHECKPOINT_NAME
+        self.accelerator = Accelerator(
+            gradient_accumulation_steps=config.grad_accum,
+            mixed_precision="bf16" if config.bf16 else "no",
+            # Without an accelerator, `cpu=True` is what makes a torchrun/accelerate launch use gloo data parallelism.
+            cpu=not torch.accelerator.is_available(),
+        )
+        self.progress = Progress()
+        self.best_state: dict[str, torch.Tensor] | None = None
+        self.log: MetricsLog | None = None
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self, resume: bool) -> None:
+        config, accelerator = self.config, self.accelerator
+        set_seed(config.seed)
+        if resume and not self.checkpoint_file.is_file():
+            raise FileNotFoundError(f"cannot resume: no {CHECKPOINT_NAME} in {self.out}")
+        if accelerator.is_main_process:
+            self.out.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.out / RUN_CONFIG_NAME, json.dumps(asdict(config), indent=2) + "\n")
+        self.splits = load_splits(config)  # first: a data error stops the run before the model loads
+        self._setup_model()
+        self._setup_data()
+        self._setup_optimizer()
+        self.model, self.optimizer = accelerator.prepare(self.model, self.optimizer)
+        if resume:
+            self._load_checkpoint()
+            p = self.progress
+            accelerator.print(f"resuming at epoch {p.epoch}, batch {p.batch} (step {p.step})")
+        if accelerator.is_main_process:
+            self.log = MetricsLog(self.out, keep_until_step=self.progress.step if resume else None)
+
+    def _setup_model(self) -> None:
+        self.model, self.fmt = build_model(self.config)
+        self.trainable, self.total = count_parameters(self.model)
+
+    def _setup_data(self) -> None:
+        """Tokenise the splits in the model's format (cached across runs)."""
+        self.features = {name: encode_cached(self.fmt, examples, self.config) for name, examples in self.splits.items()}
+        self.lengths = [self.fmt.length(f) for f in self.features["train"]]
+        c, s = self.config, self.splits
+        self.accelerator.print(
+            f"{c.task} / {c.method} on {c.model}: {len(s['train'])} train, {len(s['validation'])} validation, "
+            f"{len(s['test'])} test examples; trainable {self.trainable:,} of {self.total:,} "
+            f"({100 * self.trainable / self.total:.4f}%)"
+        )
+
+    def _setup_optimizer(self) -> None:
+        config = self.config
+        self.optimizer = _optimizer(self.model, config)
+        batches_per_epoch = len(epoch_batches(self.lengths, config, 1, self.accelerator.num_processes))
+        updates = math.ceil(batches_per_epoch / config.grad_accum) * config.epochs
+        # The scheduler stays unprepared: Accelerate would step it once per process, but `updates` already counts
+        # global batches.
+        self.scheduler = get_linear_schedule_with_warmup(self.optimizer, int(config.warmup_ratio * updates), updates)
+
+    # ------------------------------------------------------------------ train
+
+    def train(self) -> None:
+        self.started = time.time() - self.progress.elapsed_s
+        for epoch in range(self.progress.epoch, self.config.epochs + 1):
+            if self.progress.stopped:
+                break
+            self._train_epoch(epoch)
+            self._validate(epoch)
+            self.save_checkpoint()
+
+    def _train_epoch(self, epoch: int) -> None:
+        accelerator, progress, model = self.accelerator, self.progress, self.model
+        model.train()
+        batches = epoch_batches(self.lengths, self.config, epoch, accelerator.num_processes)
+        positions = range(progress.batch, len(batches))
+        for position in tqdm(positions, desc=f"epoch {epoch}", leave=False, disable=not accelerator.is_main_process):
+            indices = batches[position][accelerator.process_index :: accelerator.num_processes]
+            batch = to_device(self.fmt.collate([self.features["train"][i] for i in indices]), accelerator.device)
+            with accelerator.accumulate(model):
+                loss = self.fmt.loss(model, batch)
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(
+                        f"loss is {loss.item()} at epoch {epoch}, step {progress.step + 1} (training examples "
+                        f"{indices[:8]}{'...' if len(indices) > 8 else ''}); the last good checkpoint is kept"
+                    )
+                accelerator.backward(loss)
+                self.optimizer.step()
+                if accelerator.sync_gradients:
+                    self.scheduler.step()
+                self.optimizer.zero_grad()
+            progress.step, progress.batch = progress.step + 1, position + 1
+            if self.log:
+                lr = self.scheduler.get_last_lr()[0]
+                self.log.write({"kind": "step", "epoch": epoch, "step": progress.step, "loss": loss.item(), "lr": lr})
+            every = self.config.checkpoint_every
+            if every and progress.step % every == 0 and accelerator.sync_gradients:
+                progress.elapsed_s = time.time() - self.started
+                self.save_checkpoint()
+
+    def _validate(self, epoch: int) -> None:
+        """Score the validation split; keep the best weights; decide on early stopping."""
+        progress, model = self.progress, self.accelerator.unwrap_model(self.model)
+        validation = self._score("validation", model)
+        progress.epochs_run, progress.epoch, progress.batch = epoch, epoch + 1, 0
+        progress.elapsed_s = time.time() - self.started
+        if self.log:
+            scores = {f"validation_{k}": v for k, v in validation.items()}
+            self.log.write(
+                {"kind": "epoch", "epoch": epoch, "step": progress.step, "elapsed_s": progress.elapsed_s, **scores}
+            )
+        if validation["score"] > progress.best_score:
+            progress.best_score, progress.best_epoch = validation["score"], epoch
+            self.best_state = trainable_state(model)
+        elif epoch - progress.best_epoch >= self.config.patience:
+            self.accelerator.print(f"early stop: no better validation score for {self.config.patience} epochs")
+            progress.stopped = True
+
+    def _score(self, split: str, model: nn.Module) -> dict[str, float]:
+        return evaluate(
+            model,
+            self.fmt,
+            self.features[split],
+            self.splits[split],
+            self.config.eval_batch_size,
+            self.accelerator.device,
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self) -> None:
+        """Everything a resumed run needs, replaced atomically: a crash leaves the previous checkpoint intact."""
+        if self.accelerator.is_main_process:
+            state = {
+                "progress": asdict(self.progress),
+                "trainable": trainable_state(self.accelerator.unwrap_model(self.model)),
+                "best": self.best_state or {},
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "torch_rng": torch.get_rng_state(),
+            }
+            atomic_write(self.checkpoint_file, lambda tmp: torch.save(state, tmp))
+        self.accelerator.wait_for_everyone()
+
+    def _load_checkpoint(self) -> None:
+        try:
+            state = torch.load(self.checkpoint_file, weights_only=True)
+        except Exception as err:  # a torn or foreign file: say which
+            raise ValueError(f"{self.checkpoint_file} is not a readable checkpoint: {err}") from err
+        load_trainable_state(self.accelerator.unwrap_model(self.model), state["trainable"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])
+        self.progress, self.best_state = Progress(**state["progress"]), state["best"] or None
+
+    # ------------------------------------------------------------------ finish
+
+    def finish(self) -> dict[str, Any]:
+        """Restore the best epoch, score the test split, write the run's files; returns results.json's content."""
+        config, progress = self.config, self.progress
+        model = self.accelerator.unwrap_model(self.model)
+        load_trainable_state(model, self.best_state)
+        test = self._score("test", model)
+        results = {
+            "task": config.task,
+            "method": config.method,
+            "variant": config.variant,
+            "model": config.model,
+            "seed": config.seed,
+            "test": test,
+            "score": test["score"],
+            "best_validation_score": progress.best_score,
+            "best_epoch": progress.best_epoch,
+            "epochs_run": progress.epochs_run,
+            "trainable_params": self.trainable,
+            "total_params": self.total,
+            "trainable_percent": 100 * self.trainable / self.total,
+            "wall_time_s": round(time.time() - self.started, 1),
+            "train_examples": len(self.splits["train"]),
+            "test_examples": len(self.splits["test"]),
+            "processes": self.accelerator.num_processes,
+        }
+        if self.accelerator.is_main_process:
+            best = {k: v.contiguous() for k, v in self.best_state.items()}
+            atomic_write(self.out / TRAINABLE_NAME, lambda tmp: save_file(best, tmp))
+            if isinstance(model, CaptModel):
+                model.save_pretrained(self.out / ADAPTER_DIR)
+            atomic_write_text(self.out / RESULTS_NAME, json.dumps(results, indent=2) + "\n")
+            self.checkpoint_file.unlink(missing_ok=True)  # the run is complete: nothing left to resume
+            self.log.close()
+            plot_learning_curves(self.out)
+        return results
+
+
+def epoch_batches(lengths: list[int], config: RunConfig, epoch: int, processes: int) -> list[list[int]]:
+    """The global batches of one epoch: a pure function of (seed, epoch), so a resumed run replays them exactly.
+
+    Each global batch holds batch_size x processes examples; process k takes every processes-th of them, so N
+    processes with batch_size b see the same global batches as one process with batch_size N x b.
+    """
+    rng = random.Random(config.seed * 100_003 + epoch)
+    return length_grouped_batches(lengths, config.batch_size * processes, rng)
+
+
+def length_grouped_batches(lengths: list[int], batch_size: int, rng: random.Random) -> list[list[int]]:
+    """Shuffled batches of similar length: sort within shuffled pools of 50 batches, then shuffle batches."""
+    indices = list(range(len(lengths)))
+    rng.shuffle(indices)
+    pool = 50 * batch_size
+    batches = []
+    for start in range(0, len(indices), pool):
+        chunk = sorted(indices[start : start + pool], key=lengths.__getitem__)
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def _optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimizer:
+    heads = [p for n, p in model.named_parameters() if p.requires_grad and _is_head(n)]
+    others = [p for n, p in model.named_parameters() if p.requires_grad and not _is_head(n)]
+    groups = [{"params": others, "lr": config.lr}]
+    if heads and config.method != "full":
+        groups.append({"params": heads, "lr": config.head_lr})
+    else:
+        groups[0]["params"] = others + heads
+    if config.optimizer == "adafactor":
+        return Adafactor(
+            groups, scale_parameter=False, relative_step=False, warmup_init=False, weight_decay=config.weight_decay
+        )
+    return torch.optim.AdamW(groups, weight_decay=config.weight_decay)
+
+
+def _is_head(name: str) -> bool:
+    return any(part in ("classifier", "score") for part in name.split("."))
