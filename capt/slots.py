@@ -71,6 +71,12 @@ def prepend(tensor: torch.Tensor, n: int, value: Any) -> torch.Tensor:
     return torch.cat([front, tensor], dim=-1)
 
 
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that count real tokens from 0, whatever the padding (padding gets 0), as `generate` does."""
+    mask = attention_mask.long()
+    return (mask.cumsum(-1) - 1).clamp(min=0) * mask
+
+
 def insert_slots(inputs: dict[str, Any], prefix: str, n: int) -> None:
     """Make room for n slots at position 0 of one input stream ('' or 'decoder_')."""
     if f"{prefix}input_ids" in inputs:

