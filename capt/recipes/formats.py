@@ -141,11 +141,12 @@ class OptionScoringFormat(TaskFormat):
     def loss(self, model, batch):
         return model(**batch["train_inputs"]).loss
 
+    def row_scores(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Summed log-probability of each row's target tokens, (R,)."""
+        return target_logprobs(model(**inputs).logits, inputs["labels"], shifted=self._shifted)
+
     def predict(self, model, batch):
-        inputs = batch["score_inputs"]
-        logits = model(**inputs).logits
-        logprobs = target_logprobs(logits, inputs["labels"], shifted=self._shifted)
-        return _per_example(logprobs, batch["options"]).argmax(-1).tolist()
+        return _per_example(self.row_scores(model, batch["score_inputs"]), batch["options"]).argmax(-1).tolist()
 
 
 @dataclass
@@ -202,6 +203,32 @@ class CausalLMFormat(OptionScoringFormat):
     def _rows(self, source, targets):
         return [{"input_ids": source + target, "labels": [-100] * len(source) + target} for target in targets]
 
+    def loss(self, model, batch):
+        inputs = batch["train_inputs"]
+        targets = (inputs["labels"][:, 1:] != -100).sum()  # the first token is never a target
+        return -self.row_scores(model, inputs).sum() / targets  # HF's mean over target tokens
+
+    def row_scores(self, model, inputs):
+        """The LM head runs only on the trailing positions that predict a target (`logits_to_keep`).
+
+        Right-padded rows end their targets at different places, so the kept span starts one position before the
+        earliest target of any row. Labels are not passed: the model would compute a loss over all positions.
+        The capsule mean still leaves the targets out (`instance_mask`), as it does when it reads labels.
+        """
+        labels = inputs["labels"]
+        first_target = (labels != -100).int().argmax(-1).min().item()
+        keep = labels.shape[1] - first_target + 1
+        model_inputs = {k: v for k, v in inputs.items() if k != "labels"}
+        if has_capsules(model):
+            model_inputs["instance_mask"] = labels == -100
+        logits = model(**model_inputs, logits_to_keep=keep).logits
+        return target_logprobs(logits, labels, shifted=True)
+
+
+def has_capsules(model: nn.Module) -> bool:
+    """Whether capsule hooks sit on `model` (CaptModel, the bank, or CaPT through PEFT): it takes `instance_mask`."""
+    return any(getattr(m, "_capt_attached", False) for m in model.modules())
+
 
 FORMATS = {"encoder": EncoderFormat, "encoder-decoder": T5Format, "decoder": CausalLMFormat}
 
@@ -219,15 +246,24 @@ def make_format(
 
 
 def target_logprobs(logits: torch.Tensor, labels: torch.Tensor, shifted: bool) -> torch.Tensor:
-    """Summed log-probability of the labelled tokens of each row; (R, T, V), (R, T') -> (R,).
+    """Summed log-probability of the labelled tokens of each row; (R, K, V), (R, T) -> (R,).
 
-    Prompt methods may prepend virtual tokens to the logits, so only the last T' positions are read.
+    The logits cover the last K positions of the labels' T: prompt methods prepend virtual tokens (K > T: only the
+    last T are read), and `logits_to_keep` leaves only the trailing positions (K < T: labels without a logit must
+    be -100).
+
+    Example:
+        >>> logits = torch.log(torch.tensor([[[0.5, 0.5], [0.9, 0.1]]]))
+        >>> target_logprobs(logits, torch.tensor([[-100, 1]]), shifted=True).exp()
+        tensor([0.5000])
     """
-    logits = logits[:, -labels.shape[1] :]
+    width = min(logits.shape[1], labels.shape[1])
+    logits, labels = logits[:, -width:], labels[:, -width:]
     if shifted:
         logits, labels = logits[:, :-1], labels[:, 1:]
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    picked = logprobs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    logits = logits.float()
+    # log_softmax at the picked tokens only: no second (R, K, V) tensor.
+    picked = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
     return (picked * (labels != -100)).sum(-1)
 
 
