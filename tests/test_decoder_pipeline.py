@@ -1,5 +1,6 @@
 """The decoder pipeline's fast paths give what the plain path gives: every position through the LM head."""
 
+import dataclasses
 import json
 from collections import Counter
 from pathlib import Path
@@ -89,3 +90,38 @@ def test_majority_reference_scores_the_most_frequent_training_label(tmp_path):
     label = Counter(ex.label for ex in splits["train"]).most_common(1)[0][0]
     test = splits["test"][:20]
     assert majority["test"]["accuracy"] == sum(ex.label == label for ex in test) / len(test)
+
+
+@pytest.mark.parametrize("padding_side", ["left", "right"])
+@pytest.mark.parametrize("method", ["capt", "deep-prompt", "lora", "head"])  # not prompt: PEFT drops position ids
+def test_decoder_classifier_reads_the_last_real_token_whatever_the_padding(method, padding_side):
+    backbone = load_backbone("tiny-llama", num_labels=3, decoder_head="classifier")
+    assert type(backbone.model).__name__ == "LlamaForSequenceClassification"
+    fmt = make_format(backbone.family, "cb", backbone.tokenizer, 96, decoder_head="classifier")
+    fmt = dataclasses.replace(fmt, padding_side=padding_side)
+    model = apply_method(backbone, method).eval()
+    _trained_looking(model)
+    features = [fmt.encode(ex) for ex in paper_splits("cb", DATA)["train"][:4]]
+    assert len({f["length"] for f in features}) > 1  # the batch is padded
+    assert backbone.tokenizer.pad_token_id == 0  # the slot's placeholder id too: the head must never see the slot
+    with torch.no_grad():
+        batched = model(**fmt.collate(features)["model_inputs"]).logits
+        alone = torch.cat([model(**fmt.collate([f])["model_inputs"]).logits for f in features])
+    torch.testing.assert_close(batched, alone, atol=1e-5, rtol=0)
+
+
+def test_decoder_classifier_trains_end_to_end_and_copa_is_multiple_choice(tmp_path, monkeypatch):
+    from capt.recipes.cli import main
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    backbone = load_backbone("tiny-llama", num_labels=1, decoder_head="classifier")
+    fmt = make_format(backbone.family, "copa", backbone.tokenizer, 64, decoder_head="classifier")
+    batch = fmt.collate([fmt.encode(ex) for ex in paper_splits("copa", DATA)["train"][:3]])
+    assert batch["options"] == [2, 2, 2] and batch["model_inputs"]["input_ids"].shape[0] == 6
+    out = tmp_path / "run"
+    flags = ["--model", "tiny-llama", "--decoder-head", "classifier", "--limit-train", "8", "--limit-eval", "8"]
+    assert (
+        main(["train", "--task", "cb", "--epochs", "1", *flags, "--data-dir", str(DATA), "--output-dir", str(out)]) == 0
+    )
+    results = json.loads((out / "results.json").read_text())
+    assert results["trainable_params"] == 2 * 64 + 64 * 3  # capsules + the score head (no bias)

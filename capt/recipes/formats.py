@@ -60,7 +60,20 @@ class TaskFormat:
 
 @dataclass
 class EncoderFormat(TaskFormat):
-    """Sentence-pair classification, or multiple choice over pairs for COPA/ReCoRD."""
+    """Sentence-pair classification, or multiple choice over pairs for COPA/ReCoRD.
+
+    Decoder classifiers read this format too, padded on the left (`padding_side`) with positions counted from the
+    first real token: their head reads the last position when it gets embeddings rather than ids, and that is the
+    last real token only then. (PEFT prompt tuning still depends on padding: it ignores position ids.)
+    """
+
+    padding_side: str = "right"
+
+    def _pad(self, rows, value):
+        if self.padding_side == "right":
+            return super()._pad(rows, value)
+        width = max(len(r) for r in rows)
+        return torch.tensor([[value] * (width - len(r)) + r for r in rows], dtype=torch.long)
 
     def encode(self, example: Example) -> Features:
         pairs = tpl.encoder_choices(example) if is_choice_task(self.task) else [tpl.encoder_text(example)]
@@ -76,6 +89,8 @@ class EncoderFormat(TaskFormat):
         batch["attention_mask"] = self._pad([[1] * len(r["input_ids"]) for r in rows], 0)
         if "token_type_ids" in rows[0]:
             batch["token_type_ids"] = self._pad([r["token_type_ids"] for r in rows], 0)
+        if self.padding_side == "left":  # positions count from the first real token, as generate() does
+            batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
         return {
             "model_inputs": batch,
             "options": [len(f["rows"]) for f in features],
@@ -239,8 +254,23 @@ def head_outputs(task: str) -> int:
 
 
 def make_format(
-    family: str, task: str, tokenizer: PreTrainedTokenizerBase, max_length: int, t5_generate: bool = False
+    family: str,
+    task: str,
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    t5_generate: bool = False,
+    decoder_head: str = "lm",
 ) -> TaskFormat:
+    """The format of a backbone family; decoders with `decoder_head="classifier"` read the encoder's, left-padded.
+
+    Example:
+        >>> from capt.recipes.backbones import load_backbone
+        >>> tokenizer = load_backbone("tiny-llama").tokenizer
+        >>> type(make_format("decoder", "copa", tokenizer, 64, decoder_head="classifier")).__name__
+        'EncoderFormat'
+    """
+    if family == "decoder" and decoder_head == "classifier":
+        return EncoderFormat(task=task, tokenizer=tokenizer, max_length=max_length, padding_side="left")
     options = {"generate": t5_generate} if family == "encoder-decoder" else {}
     return FORMATS[family](task=task, tokenizer=tokenizer, max_length=max_length, **options)
 
