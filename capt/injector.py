@@ -4,7 +4,8 @@
 share this machinery. Once attached, the model itself behaves as a CaPT model, whoever calls it (`CaptModel`,
 `peft.PeftModel`, `transformers.Trainer` or user code):
 
-1. A forward pre-hook on the model puts the slot(s) at position 0 of every input stream that has capsules:
+1. A forward pre-hook on the model (for a decoder-only sequence classifier: on its trunk, below the head that
+   pools the last non-pad input id) puts the slot(s) at position 0 of every input stream that has capsules:
    a placeholder token id (its embedding is never used), attention-mask 1, token-type 0, explicit position ids
    shifted by one. Masks, RoPE positions and KV caches are then built by the model itself, for any architecture.
    It also records which tokens are *instance tokens* (non-padding; for causal LMs not targets), and which
@@ -99,6 +100,24 @@ class _PassState:
     groups: RowGroups | None = None
 
 
+def input_module(model: PreTrainedModel) -> nn.Module:
+    """The module whose inputs get the slot: the model itself, or the trunk of a decoder-only sequence classifier.
+
+    A decoder classifier (`LlamaForSequenceClassification`, ...) pools the last non-pad token it finds in the
+    `input_ids` it received. Were the slot put there, that index would count the slot while the trunk's output
+    (stripped) does not, and the head would read one position too far. Below the head, it sees the user's ids.
+
+    Example:
+        >>> from transformers import LlamaForSequenceClassification, LlamaConfig
+        >>> config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        ...                      vocab_size=50, pad_token_id=0)
+        >>> type(input_module(LlamaForSequenceClassification(config))).__name__
+        'LlamaModel'
+    """
+    pools_input_ids = model_family(model) == "decoder" and type(model).__name__.endswith("ForSequenceClassification")
+    return model.base_model if pools_input_ids else model
+
+
 class CapsuleInjector:
     """Attaches the CaPT hooks to `model`; `owner` provides the capsules of each adapter.
 
@@ -127,13 +146,14 @@ class CapsuleInjector:
         self._instance_masks: dict[str, torch.Tensor] = {}  # role -> mask for the next prefill pass
         self._stream_lengths: dict[str, int] = {}  # role -> length with slots, to strip the output
         self._states: dict[str, _PassState] = {}
-        self._argument_names = list(inspect.signature(model.forward).parameters)
+        entry = input_module(model)
+        self._argument_names = list(inspect.signature(entry.forward).parameters)
         # Decoder-only LMs are left-padded; encoders keep their own position scheme (RoBERTa counts from pad_id + 1).
         self._derives_positions = self.family == "decoder" and "position_ids" in self._argument_names
 
         self._hooks = [
-            model.register_forward_pre_hook(self._before_model, with_kwargs=True),
-            model.register_forward_hook(self._after_model, with_kwargs=True, always_call=True),
+            entry.register_forward_pre_hook(self._before_model, with_kwargs=True),
+            entry.register_forward_hook(self._after_model, with_kwargs=True, always_call=True),
         ]
         for site in self.sites:
             self._hooks.append(

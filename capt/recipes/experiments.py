@@ -1,21 +1,25 @@
-"""Runs of several trainings: the seeds of one setting, and a methods x tasks comparison.
+"""Runs of several trainings: the seeds of one setting, a methods x tasks comparison, and a tuned sweep.
 
-Both resume: a finished run (its results.json) is read back instead of trained again.
+All resume: a finished run (its results.json) is read back instead of trained again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from ..saving import atomic_write_text
+from .bench.time_to_accuracy import best_epoch_and_time
 from .reporting import aggregate_seeds, comparison_table
-from .run import CHECKPOINT_NAME, RESULTS_NAME, RunConfig
+from .run import CHECKPOINT_NAME, DEFAULT_LR, RESULTS_NAME, RunConfig
 from .train import train
 
 COMPARISON_NAME = "comparison"
+SWEEP_NAME = "sweep"
 
 
 def train_seeds(config: RunConfig, seeds: int, overwrite: bool, resume: bool = False) -> dict[str, Any]:
@@ -59,16 +63,167 @@ def compare(configs: list[RunConfig], seeds: int, overwrite: bool) -> str:
     Returns the Markdown table. A cell whose results.json exists is read back unless `overwrite`.
     """
     root = Path(configs[0].output_dir)
-    results = []
-    for config in configs:
-        config = dataclasses.replace(config, output_dir=str(root / config.task / config.method))
-        done = Path(config.output_dir) / RESULTS_NAME
-        if done.exists() and not overwrite:  # a comparison resumes where it stopped
-            results.append(json.loads(done.read_text()))
-            continue
-        results.append(train_seeds(config, seeds, overwrite=True))
+    results = [
+        _finished_or_trained(dataclasses.replace(c, output_dir=str(root / c.task / c.method)), seeds, overwrite)
+        for c in configs
+    ]
     table = comparison_table(results)
     atomic_write_text(root / f"{COMPARISON_NAME}.md", table)
     summaries = [{k: v for k, v in r.items() if k != "runs"} for r in results]
     atomic_write_text(root / f"{COMPARISON_NAME}.json", json.dumps(summaries, indent=2) + "\n")
     return table
+
+
+def _finished_or_trained(config: RunConfig, seeds: int, overwrite: bool) -> dict[str, Any]:
+    """The results of config's folder: read back when finished (so an experiment resumes), trained otherwise."""
+    done = Path(config.output_dir) / RESULTS_NAME
+    if done.exists() and not overwrite:
+        return json.loads(done.read_text())
+    return train_seeds(config, seeds, overwrite=True)
+
+
+def default_lr_grid(method: str) -> list[float]:
+    """Three learning rates around the method's default: DEFAULT_LR / 3, DEFAULT_LR, 3 x DEFAULT_LR.
+
+    Example:
+        >>> default_lr_grid("capt")
+        [0.0033333333333333335, 0.01, 0.03]
+    """
+    return [DEFAULT_LR[method] / 3, DEFAULT_LR[method], DEFAULT_LR[method] * 3]
+
+
+def parse_lr_grid(text: str) -> dict[str, list[float]]:
+    """`capt=3e-3,1e-2;lora=1e-4,5e-4` -> {"capt": [0.003, 0.01], "lora": [0.0001, 0.0005]} (the --lr-grid flag).
+
+    Example:
+        >>> parse_lr_grid("capt=3e-3,1e-2;lora=1e-4")
+        {'capt': [0.003, 0.01], 'lora': [0.0001]}
+    """
+    grid = {}
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        method, _, rates = item.partition("=")
+        try:
+            grid[method.strip()] = [float(r) for r in rates.split(",")]
+        except ValueError:
+            raise ValueError(f"--lr-grid: {item!r} is not METHOD=LR,LR,... (e.g. capt=3e-3,1e-2,3e-2)") from None
+        if not rates.strip():
+            raise ValueError(f"--lr-grid: {item!r} gives no learning rates")
+    return grid
+
+
+def sweep(
+    configs: list[RunConfig], lr_grid: dict[str, list[float]], seeds: int, overwrite: bool, references: bool = True
+) -> str:
+    """Tune the learning rate of every method x task on VALIDATION, then train the chosen rate over `seeds` seeds.
+
+    Each cell <output_dir>/<task>/<method> holds grid/lr-<rate>/ (one run per rate, seed 0), seed-<k>/ for the other
+    seeds of the chosen rate (its seed 0 is the grid run itself: runs are deterministic), and a results.json with
+    the summary over seeds plus "chosen_lr" and "grid" (each rate's validation and test scores, epochs and seconds
+    to the best validation score). Ties go to the first rate of the grid. `references` adds the zero-shot backbone
+    and the majority class per task. Writes sweep.{md,json} beside the cells and returns the Markdown table; it
+    resumes, as `compare` does, from every finished cell and grid point.
+
+    Example:
+        >>> table = sweep([RunConfig(task="cb", model="tiny-llama", epochs=1)], {}, seeds=3)  # doctest: +SKIP
+    """
+    root = Path(configs[0].output_dir)
+    cells = [
+        _sweep_cell(c, root, lr_grid.get(c.method) or default_lr_grid(c.method), seeds, overwrite) for c in configs
+    ]
+    tasks = list(dict.fromkeys(c.task for c in configs))
+    reference_rows = [reference_results(c) for c in {c.task: c for c in configs}.values()] if references else []
+    table = sweep_table(cells, [row for rows in reference_rows for row in rows], tasks)
+    atomic_write_text(root / f"{SWEEP_NAME}.md", table)
+    summaries = [{k: v for k, v in r.items() if k != "runs"} for r in cells]
+    output = {"cells": summaries, "references": reference_rows}
+    atomic_write_text(root / f"{SWEEP_NAME}.json", json.dumps(output, indent=2) + "\n")
+    return table
+
+
+def _sweep_cell(config: RunConfig, root: Path, grid: list[float], seeds: int, overwrite: bool) -> dict[str, Any]:
+    cell = root / config.task / config.method
+    done = cell / RESULTS_NAME
+    if done.exists() and not overwrite:
+        return json.loads(done.read_text())
+    points = []
+    for lr in grid:
+        point = dataclasses.replace(config, lr=lr, seed=0, output_dir=str(cell / "grid" / f"lr-{lr:g}"))
+        result = _finished_or_trained(point, 1, overwrite)["runs"][0]  # the seed's own record
+        epochs, seconds = best_epoch_and_time(Path(point.output_dir))
+        points.append(
+            {
+                "lr": lr,
+                "validation_score": result["best_validation_score"],
+                "test_score": result["score"],
+                "epochs_to_best": epochs,
+                "seconds_to_best": seconds,
+                "run": result,
+                "dir": point.output_dir,
+            }
+        )
+    best = max(points, key=lambda p: p["validation_score"])  # max keeps the first of equal scores
+    runs, times = [best["run"]], [(best["epochs_to_best"], best["seconds_to_best"])]
+    for seed in range(1, seeds):
+        run_dir = cell / f"seed-{seed}"
+        seed_config = dataclasses.replace(config, lr=best["lr"], seed=seed, output_dir=str(run_dir))
+        runs.append(_finished_or_trained(seed_config, 1, overwrite)["runs"][0])
+        times.append(best_epoch_and_time(run_dir))
+    summary = {
+        **aggregate_seeds(runs),
+        "chosen_lr": best["lr"],
+        "epochs_to_best": statistics.fmean(e for e, _ in times),
+        "seconds_to_best": statistics.fmean(t for _, t in times),
+        "grid": [{k: v for k, v in p.items() if k != "run"} for p in points],
+    }
+    atomic_write_text(done, json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def reference_results(config: RunConfig) -> list[dict[str, Any]]:
+    """The rows every method must beat on config.task's test split: the frozen backbone and the majority class.
+
+    zero-shot: the backbone with no training, scored by the task format (for decoders: the LM's own label-word
+    likelihoods; an encoder's head is untrained, so its row is chance). majority: the most frequent training
+    label for every test example (label tasks only).
+    """
+    from .backbones import load_backbone
+    from .evaluate import encode_cached, evaluate, load_splits
+    from .formats import head_outputs, make_format
+    from .metrics import task_metrics
+
+    splits = load_splits(config)
+    backbone = load_backbone(config.model, num_labels=head_outputs(config.task), seed=0)
+    fmt = make_format(backbone.family, config.task, backbone.tokenizer, config.max_length, config.t5_generate)
+    test = splits["test"]
+    zero_shot = evaluate(backbone.model, fmt, encode_cached(fmt, test, config), test, config.eval_batch_size)
+    rows = [{"task": config.task, "method": "zero-shot", "test": zero_shot}]
+    labels = [ex.label for ex in splits["train"]]
+    if config.task != "record" and None not in labels:
+        majority = Counter(labels).most_common(1)[0][0]
+        groups = [ex.group for ex in test]
+        scores = task_metrics(config.task, [majority] * len(test), [ex.label for ex in test], groups=groups)
+        rows.append({"task": config.task, "method": "majority", "test": scores})
+    return rows
+
+
+def sweep_table(cells: list[dict[str, Any]], references: list[dict[str, Any]], tasks: list[str]) -> str:
+    """Markdown: per task and method the chosen lr, every rate's validation score, test mean ± std over seeds,
+    epochs and time to the best validation score, and that time relative to CaPT's (the paper's Table 2)."""
+    lines = [
+        "| task | method | chosen lr | validation by lr | test score | seeds | epochs to best | time to best "
+        "| x capt |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    capt_time = {c["task"]: c["seconds_to_best"] for c in cells if c["method"] == "capt"}
+    for task in tasks:
+        for c in (c for c in cells if c["task"] == task):
+            grid = ", ".join(f"{p['lr']:g}: {100 * p['validation_score']:.1f}" for p in c["grid"])
+            relative = f"{c['seconds_to_best'] / capt_time[task]:.2f}x" if capt_time.get(task) else "n/a"
+            lines.append(
+                f"| {task} | {c['method']} | {c['chosen_lr']:g} | {grid} | {100 * c['score']['mean']:.1f} ± "
+                f"{100 * c['score']['std']:.1f} | {len(c['seeds'])} | {c['epochs_to_best']:.1f} | "
+                f"{c['seconds_to_best']:.0f} s | {relative} |"
+            )
+        for r in (r for r in references if r["task"] == task):
+            lines.append(f"| {task} | {r['method']} | - | - | {100 * r['test']['score']:.1f} | - | 0 | - | - |")
+    return "\n".join(lines) + "\n"

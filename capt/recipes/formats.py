@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from ..slots import positions_from_mask
 from .data import TASKS, Example, is_choice_task
 from .data import templates as tpl
 
@@ -60,7 +61,20 @@ class TaskFormat:
 
 @dataclass
 class EncoderFormat(TaskFormat):
-    """Sentence-pair classification, or multiple choice over pairs for COPA/ReCoRD."""
+    """Sentence-pair classification, or multiple choice over pairs for COPA/ReCoRD.
+
+    Decoder classifiers read this format too, padded on the left (`padding_side`) with positions counted from the
+    first real token: their head reads the last position when it gets embeddings rather than ids, and that is the
+    last real token only then. (PEFT prompt tuning still depends on padding: it ignores position ids.)
+    """
+
+    padding_side: str = "right"
+
+    def _pad(self, rows, value):
+        if self.padding_side == "right":
+            return super()._pad(rows, value)
+        width = max(len(r) for r in rows)
+        return torch.tensor([[value] * (width - len(r)) + r for r in rows], dtype=torch.long)
 
     def encode(self, example: Example) -> Features:
         pairs = tpl.encoder_choices(example) if is_choice_task(self.task) else [tpl.encoder_text(example)]
@@ -76,6 +90,8 @@ class EncoderFormat(TaskFormat):
         batch["attention_mask"] = self._pad([[1] * len(r["input_ids"]) for r in rows], 0)
         if "token_type_ids" in rows[0]:
             batch["token_type_ids"] = self._pad([r["token_type_ids"] for r in rows], 0)
+        if self.padding_side == "left":  # positions count from the first real token, as generate() does
+            batch["position_ids"] = positions_from_mask(batch["attention_mask"])
         return {
             "model_inputs": batch,
             "options": [len(f["rows"]) for f in features],
@@ -141,11 +157,12 @@ class OptionScoringFormat(TaskFormat):
     def loss(self, model, batch):
         return model(**batch["train_inputs"]).loss
 
+    def row_scores(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Summed log-probability of each row's target tokens, (R,)."""
+        return target_logprobs(model(**inputs).logits, inputs["labels"], shifted=self._shifted)
+
     def predict(self, model, batch):
-        inputs = batch["score_inputs"]
-        logits = model(**inputs).logits
-        logprobs = target_logprobs(logits, inputs["labels"], shifted=self._shifted)
-        return _per_example(logprobs, batch["options"]).argmax(-1).tolist()
+        return _per_example(self.row_scores(model, batch["score_inputs"]), batch["options"]).argmax(-1).tolist()
 
 
 @dataclass
@@ -202,6 +219,32 @@ class CausalLMFormat(OptionScoringFormat):
     def _rows(self, source, targets):
         return [{"input_ids": source + target, "labels": [-100] * len(source) + target} for target in targets]
 
+    def loss(self, model, batch):
+        inputs = batch["train_inputs"]
+        targets = (inputs["labels"][:, 1:] != -100).sum()  # the first token is never a target
+        return -self.row_scores(model, inputs).sum() / targets  # HF's mean over target tokens
+
+    def row_scores(self, model, inputs):
+        """The LM head runs only on the trailing positions that predict a target (`logits_to_keep`).
+
+        Right-padded rows end their targets at different places, so the kept span starts one position before the
+        earliest target of any row. Labels are not passed: the model would compute a loss over all positions.
+        The capsule mean still leaves the targets out (`instance_mask`), as it does when it reads labels.
+        """
+        labels = inputs["labels"]
+        first_target = (labels != -100).int().argmax(-1).min().item()
+        keep = labels.shape[1] - first_target + 1
+        model_inputs = {k: v for k, v in inputs.items() if k != "labels"}
+        if has_capsules(model):
+            model_inputs["instance_mask"] = labels == -100
+        logits = model(**model_inputs, logits_to_keep=keep).logits
+        return target_logprobs(logits, labels, shifted=True)
+
+
+def has_capsules(model: nn.Module) -> bool:
+    """Whether capsule hooks sit on `model` (CaptModel, the bank, or CaPT through PEFT): it takes `instance_mask`."""
+    return any(getattr(m, "_capt_attached", False) for m in model.modules())
+
 
 FORMATS = {"encoder": EncoderFormat, "encoder-decoder": T5Format, "decoder": CausalLMFormat}
 
@@ -212,22 +255,46 @@ def head_outputs(task: str) -> int:
 
 
 def make_format(
-    family: str, task: str, tokenizer: PreTrainedTokenizerBase, max_length: int, t5_generate: bool = False
+    family: str,
+    task: str,
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    t5_generate: bool = False,
+    decoder_head: str = "lm",
 ) -> TaskFormat:
+    """The format of a backbone family; decoders with `decoder_head="classifier"` read the encoder's, left-padded.
+
+    Example:
+        >>> from capt.recipes.backbones import load_backbone
+        >>> tokenizer = load_backbone("tiny-llama").tokenizer
+        >>> type(make_format("decoder", "copa", tokenizer, 64, decoder_head="classifier")).__name__
+        'EncoderFormat'
+    """
+    if family == "decoder" and decoder_head == "classifier":
+        return EncoderFormat(task=task, tokenizer=tokenizer, max_length=max_length, padding_side="left")
     options = {"generate": t5_generate} if family == "encoder-decoder" else {}
     return FORMATS[family](task=task, tokenizer=tokenizer, max_length=max_length, **options)
 
 
 def target_logprobs(logits: torch.Tensor, labels: torch.Tensor, shifted: bool) -> torch.Tensor:
-    """Summed log-probability of the labelled tokens of each row; (R, T, V), (R, T') -> (R,).
+    """Summed log-probability of the labelled tokens of each row; (R, K, V), (R, T) -> (R,).
 
-    Prompt methods may prepend virtual tokens to the logits, so only the last T' positions are read.
+    The logits cover the last K positions of the labels' T: prompt methods prepend virtual tokens (K > T: only the
+    last T are read), and `logits_to_keep` leaves only the trailing positions (K < T: labels without a logit must
+    be -100).
+
+    Example:
+        >>> logits = torch.log(torch.tensor([[[0.5, 0.5], [0.9, 0.1]]]))
+        >>> target_logprobs(logits, torch.tensor([[-100, 1]]), shifted=True).exp()
+        tensor([0.5000])
     """
-    logits = logits[:, -labels.shape[1] :]
+    width = min(logits.shape[1], labels.shape[1])
+    logits, labels = logits[:, -width:], labels[:, -width:]
     if shifted:
         logits, labels = logits[:, :-1], labels[:, 1:]
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    picked = logprobs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    logits = logits.float()
+    # log_softmax at the picked tokens only: no second (R, K, V) tensor.
+    picked = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
     return (picked * (labels != -100)).sum(-1)
 
 

@@ -50,7 +50,8 @@ def apply_method(backbone: Backbone, method: str, options: MethodOptions | None 
     if method in PEFT_METHODS:
         import peft
 
-        return peft.get_peft_model(base, peft_config(method, backbone.family, options))
+        family = "encoder" if _classifier_name(base) else backbone.family  # a decoder with a score head: SEQ_CLS
+        return peft.get_peft_model(base, peft_config(method, family, options))
     if method == "head":
         head = _classifier_name(base)
         if head is None:

@@ -74,6 +74,7 @@ class RunConfig:
     deep_prompt_slots: int = 10
     virtual_tokens: int = 20
     lora_rank: int = 8
+    decoder_head: str = "lm"  # decoder-only: lm (label-word likelihoods) | classifier (score head on the last token)
     t5_generate: bool = False  # T5: predict by greedy decoding + exact match instead of label-word likelihoods
     checkpoint_every: int = 50  # batches between crash-safe checkpoints (0: only at epoch ends)
     trust_remote_code: bool = False  # run code shipped with a Hub model (off unless asked)
@@ -86,6 +87,8 @@ class RunConfig:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         if self.lr is None:
             self.lr = DEFAULT_LR[self.method]
+        if self.decoder_head not in ("lm", "classifier"):
+            raise ValueError(f"unknown decoder_head {self.decoder_head!r}; choose lm or classifier")
         if self.optimizer not in ("adamw", "adafactor"):
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose adamw or adafactor")
         for name in ("epochs", "batch_size", "eval_batch_size", "grad_accum", "max_length"):
@@ -107,9 +110,15 @@ def read_run_config(run_dir: str | Path) -> RunConfig:
 def build_model(config: RunConfig) -> tuple[nn.Module, TaskFormat]:
     """Backbone + method + the task format for its family."""
     backbone = load_backbone(
-        config.model, num_labels=head_outputs(config.task), seed=config.seed, trust_remote_code=config.trust_remote_code
+        config.model,
+        num_labels=head_outputs(config.task),
+        seed=config.seed,
+        trust_remote_code=config.trust_remote_code,
+        decoder_head=config.decoder_head,
     )
-    fmt = make_format(backbone.family, config.task, backbone.tokenizer, config.max_length, config.t5_generate)
+    fmt = make_format(
+        backbone.family, config.task, backbone.tokenizer, config.max_length, config.t5_generate, config.decoder_head
+    )
     return apply_method(backbone, config.method, config.method_options()), fmt
 
 

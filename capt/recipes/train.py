@@ -194,14 +194,16 @@ class TrainingRecipe:
             progress.stopped = True
 
     def _score(self, split: str, model: nn.Module) -> dict[str, float]:
-        return evaluate(
-            model,
-            self.fmt,
-            self.features[split],
-            self.splits[split],
-            self.config.eval_batch_size,
-            self.accelerator.device,
-        )
+        # The unwrapped model runs outside Accelerate's autocast: without this, --bf16 would not reach scoring.
+        with self.accelerator.autocast():
+            return evaluate(
+                model,
+                self.fmt,
+                self.features[split],
+                self.splits[split],
+                self.config.eval_batch_size,
+                self.accelerator.device,
+            )
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -1,0 +1,127 @@
+"""The decoder pipeline's fast paths give what the plain path gives: every position through the LM head."""
+
+import dataclasses
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from capt.recipes.backbones import load_backbone
+from capt.recipes.data import paper_splits
+from capt.recipes.formats import OptionScoringFormat, make_format
+from capt.recipes.methods import apply_method
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "superglue"
+DECODER_METHODS = ("capt", "deep-prompt", "prompt", "ptv2", "lora")
+
+
+def _trained_looking(model) -> None:
+    """Non-zero adapter weights, so a path that drops the adapter or leaks targets into the capsule shows."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in (p for p in model.parameters() if p.requires_grad):
+            param.add_(torch.randn(param.shape, generator=generator) * 0.3)
+
+
+def _model_and_batch(method: str, task: str = "cb", count: int = 6):
+    backbone = load_backbone("tiny-llama")
+    fmt = make_format(backbone.family, task, backbone.tokenizer, 96)
+    model = apply_method(backbone, method).eval()
+    _trained_looking(model)
+    examples = paper_splits(task, DATA)["train"][:count]
+    return model, fmt, fmt.collate([fmt.encode(ex) for ex in examples])
+
+
+@pytest.mark.parametrize("method", DECODER_METHODS)
+def test_option_scores_from_trailing_logits_equal_the_full_forward(method):
+    model, fmt, batch = _model_and_batch(method)
+    inputs = batch["score_inputs"]
+    with torch.no_grad():
+        fast = fmt.row_scores(model, inputs)
+        plain = OptionScoringFormat.row_scores(fmt, model, inputs)  # labels in, every position's logits out
+    assert (inputs["labels"][:, -1] == -100).any()  # some right-padded rows end their targets early
+    torch.testing.assert_close(fast, plain, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("method", DECODER_METHODS)
+def test_training_loss_and_gradients_equal_the_models_own_loss(method):
+    model, fmt, batch = _model_and_batch(method)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    fast = fmt.loss(model, batch)
+    fast_grads = torch.autograd.grad(fast, trainable)
+    plain = model(**batch["train_inputs"]).loss
+    plain_grads = torch.autograd.grad(plain, trainable)
+    torch.testing.assert_close(fast, plain, atol=1e-5, rtol=0)
+    for got, want in zip(fast_grads, plain_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_sweep_picks_the_rate_by_validation_trains_the_seeds_and_resumes(tmp_path, monkeypatch, capsys):
+    from capt.recipes.cli import main
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # the tokenisation cache
+    out = tmp_path / "sweep"
+    argv = ["sweep", "--tasks", "cb", "--methods", "capt", "--lr-grid", "capt=1e-3,3e-1", "--seeds", "2"]
+    quick = ["--model", "tiny-llama", "--limit-train", "8", "--limit-eval", "8", "--epochs", "1", "--batch-size", "4"]
+    assert main([*argv, *quick, "--data-dir", str(DATA), "--output-dir", str(out)]) == 0
+    cell = json.loads((out / "cb" / "capt" / "results.json").read_text())
+    grid = {p["lr"]: p["validation_score"] for p in cell["grid"]}
+    assert set(grid) == {1e-3, 3e-1}
+    assert cell["chosen_lr"] == max(grid, key=grid.get)  # by validation; ties keep the first rate
+    assert cell["seeds"] == [0, 1] and cell["runs"][1]["seed"] == 1
+    chosen = out / "cb" / "capt" / "grid" / f"lr-{cell['chosen_lr']:g}" / "results.json"
+    assert [cell["runs"][0]] == json.loads(chosen.read_text())["runs"]  # seed 0 is the grid run, not retrained
+    table = (out / "sweep.md").read_text()
+    assert "| cb | capt |" in table and "| cb | zero-shot |" in table and "| cb | majority |" in table
+    stamp = (out / "cb" / "capt" / "seed-1" / "results.json").stat().st_mtime_ns
+    assert main([*argv, *quick, "--data-dir", str(DATA), "--output-dir", str(out)]) == 0  # resumes: trains nothing
+    assert (out / "cb" / "capt" / "seed-1" / "results.json").stat().st_mtime_ns == stamp
+
+
+def test_majority_reference_scores_the_most_frequent_training_label(tmp_path):
+    from capt.recipes.experiments import reference_results
+    from capt.recipes.run import RunConfig
+
+    config = RunConfig(task="cb", model="tiny-llama", data_dir=str(DATA), cache_dir=str(tmp_path), limit_eval=20)
+    majority = next(r for r in reference_results(config) if r["method"] == "majority")
+    splits = paper_splits("cb", DATA)
+    label = Counter(ex.label for ex in splits["train"]).most_common(1)[0][0]
+    test = splits["test"][:20]
+    assert majority["test"]["accuracy"] == sum(ex.label == label for ex in test) / len(test)
+
+
+@pytest.mark.parametrize("padding_side", ["left", "right"])
+@pytest.mark.parametrize("method", ["capt", "deep-prompt", "lora", "head"])  # not prompt: PEFT drops position ids
+def test_decoder_classifier_reads_the_last_real_token_whatever_the_padding(method, padding_side):
+    backbone = load_backbone("tiny-llama", num_labels=3, decoder_head="classifier")
+    assert type(backbone.model).__name__ == "LlamaForSequenceClassification"
+    fmt = make_format(backbone.family, "cb", backbone.tokenizer, 96, decoder_head="classifier")
+    fmt = dataclasses.replace(fmt, padding_side=padding_side)
+    model = apply_method(backbone, method).eval()
+    _trained_looking(model)
+    features = [fmt.encode(ex) for ex in paper_splits("cb", DATA)["train"][:4]]
+    assert len({f["length"] for f in features}) > 1  # the batch is padded
+    assert backbone.tokenizer.pad_token_id == 0  # the slot's placeholder id too: the head must never see the slot
+    with torch.no_grad():
+        batched = model(**fmt.collate(features)["model_inputs"]).logits
+        alone = torch.cat([model(**fmt.collate([f])["model_inputs"]).logits for f in features])
+    torch.testing.assert_close(batched, alone, atol=1e-5, rtol=0)
+
+
+def test_decoder_classifier_trains_end_to_end_and_copa_is_multiple_choice(tmp_path, monkeypatch):
+    from capt.recipes.cli import main
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    backbone = load_backbone("tiny-llama", num_labels=1, decoder_head="classifier")
+    fmt = make_format(backbone.family, "copa", backbone.tokenizer, 64, decoder_head="classifier")
+    batch = fmt.collate([fmt.encode(ex) for ex in paper_splits("copa", DATA)["train"][:3]])
+    assert batch["options"] == [2, 2, 2] and batch["model_inputs"]["input_ids"].shape[0] == 6
+    out = tmp_path / "run"
+    flags = ["--model", "tiny-llama", "--decoder-head", "classifier", "--limit-train", "8", "--limit-eval", "8"]
+    assert (
+        main(["train", "--task", "cb", "--epochs", "1", *flags, "--data-dir", str(DATA), "--output-dir", str(out)]) == 0
+    )
+    results = json.loads((out / "results.json").read_text())
+    assert results["trainable_params"] == 2 * 64 + 64 * 3  # capsules + the score head (no bias)
