@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from .baselines.registry import build_slot_module
 from .capsule import Capsules
 from .config import WEIGHTS_NAME, CaptConfig
 from .heads import TaskHeads, resolve_head_names
@@ -296,9 +297,10 @@ class CaptModel(nn.Module):
 
     # ------------------------------------------------------------------ internals
 
-    def _new_capsules(self, config: CaptConfig) -> Capsules:
+    def _new_capsules(self, config: CaptConfig) -> nn.Module:
+        """The slot module of an adapter: the capsules, or the prompt module of `config.prompt_method`."""
         device = next(self.base_model.parameters()).device
-        return Capsules(config, self.injector.num_layers, self.injector.hidden_size, device=device)
+        return build_slot_module(config, self.injector.num_layers, self.injector.hidden_size, device=device)
 
     def _heads_of(self, adapter_name: str) -> dict[str, nn.Module]:
         self.require_loaded(adapter_name)
