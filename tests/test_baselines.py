@@ -259,3 +259,14 @@ def test_bottleneck_adapters_follow_houlsby(family):
 
 def family_of(name: str) -> str:
     return {"llama": "decoder", "t5": "encoder-decoder", "bert-cls": "encoder"}[name]
+
+
+def test_dept_low_rank_pair_gets_its_own_learning_rate():
+    from capt.recipes.run import RunConfig
+    from capt.recipes.train import _optimizer
+
+    model = capt.get_capt_model(build("llama"), capt.CaptConfig(prompt_method="dept", prompt_options=SMALL["dept"]))
+    optimizer = _optimizer(model, RunConfig(method="dept", lr=0.3, lr_secondary=1e-4))
+    groups = {g["lr"]: {id(p) for p in g["params"]} for g in optimizer.param_groups}
+    assert groups[0.3] == {id(model.capsules.prompt)}
+    assert groups[1e-4] == {id(p) for p in model.capsules.secondary.values()}

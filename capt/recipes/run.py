@@ -32,7 +32,8 @@ RUN_CONFIG_NAME = "run_config.json"
 TRAINABLE_NAME = "trainable.safetensors"
 CHECKPOINT_NAME = "checkpoint.pt"
 ADAPTER_DIR = "adapter"
-# Learning rates that train each method sensibly with AdamW on the MiniLM (override with --lr).
+# Learning rates that train each method sensibly with AdamW on the MiniLM (override with --lr). The entries of the
+# capt.baselines methods (dept ... adapter) are starting points, not yet tuned.
 DEFAULT_LR = {
     "capt": 1e-2,
     "deep-prompt": 1e-2,
