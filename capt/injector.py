@@ -15,7 +15,10 @@ share this machinery. Once attached, the model itself behaves as a CaPT model, w
    pass of generation, never a decode step, whose slot already sits in the KV cache.
 4. A forward pre-hook on every layer overwrites the slot rows of the layer input with
    `S_i = p_i + Mean(instance tokens [+ slot output of layer i-1])`, out of place, with the capsules of each row's
-   adapter.
+   adapter. The owner's slot module computes the rows (`module(layer, hidden, weights)`): `Capsules`, or a prompt
+   module of `capt.baselines`. Prompt-tuning modules are written at the first layer only
+   (`CaptConfig.writes_every_layer` is False) and then flow through the model like tokens; a module with
+   `token_offsets` (DePT) also updates the user's tokens at that layer.
 5. A forward hook on the module owning the layers removes the slot from its output, so pooler, classifier,
    LM head and loss see exactly the user's tokens. (A T5 encoder keeps it: the decoder cross-attends to it.)
 """
@@ -32,7 +35,6 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .capsule import Capsules
 from .config import CaptConfig
 from .sites import CapsuleSite, find_sites, hidden_size, model_family
 from .slots import (
@@ -55,7 +57,8 @@ class CapsuleOwner(Protocol):
 
     active_adapter: str
 
-    def capsules_for(self, adapter_name: str) -> Capsules: ...
+    def capsules_for(self, adapter_name: str) -> nn.Module:
+        """The slot module of an adapter: `Capsules` or a `capt.baselines` prompt module."""
 
 
 @dataclass

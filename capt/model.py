@@ -20,7 +20,6 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .baselines.registry import build_slot_module
-from .capsule import Capsules
 from .config import WEIGHTS_NAME, CaptConfig
 from .heads import TaskHeads, resolve_head_names
 from .injector import CAPT_INPUTS, CapsuleInjector
@@ -153,7 +152,7 @@ class CaptModel(nn.Module):
 
     # ------------------------------------------------------------------ the capsule bank
 
-    def capsules_for(self, adapter_name: str) -> Capsules:
+    def capsules_for(self, adapter_name: str) -> nn.Module:
         self.require_loaded(adapter_name)
         return self.capsules if adapter_name == self.active_adapter else self.stored_capsules[adapter_name]
 
