@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .baselines.options import PROMPT_OPTIONS, make_options, options_dict
 from .import_utils import config_base
 
 CONFIG_NAME = "adapter_config.json"
@@ -105,6 +106,18 @@ class CaptConfig(config_base()):
             "None: the freshly initialised task head of a classification model ('classifier' or 'score')."
         },
     )
+    prompt_method: str | None = field(
+        default=None,
+        metadata={
+            "help": "A prompt-tuning baseline computing the slots instead of the capsules: "
+            + ", ".join(PROMPT_OPTIONS)
+            + " (see capt.baselines). None: CaPT / Deep Prompt-Tuning as set by the fields above."
+        },
+    )
+    prompt_options: dict[str, Any] | None = field(
+        default=None,
+        metadata={"help": "Options of prompt_method (capt.baselines.options); missing ones take the paper's defaults."},
+    )
     base_model: dict[str, Any] | None = field(
         default=None,
         metadata={
@@ -135,11 +148,31 @@ class CaptConfig(config_base()):
             )
         if self.modules_to_save is not None:
             self.modules_to_save = list(self.modules_to_save)
+        if self.prompt_method is not None:
+            # Stored complete, so a saved adapter keeps its settings even if a default changes later.
+            self.prompt_options = options_dict(make_options(self.prompt_method, self.prompt_options))
+            if self.target == "both" and not self.writes_every_layer:
+                raise ValueError(
+                    f"CaptConfig.prompt_method={self.prompt_method!r} prompts the input layer only; "
+                    "target='both' would leave the decoder's slots unwritten: use 'auto' or 'encoder'"
+                )
+        elif self.prompt_options is not None:
+            raise ValueError("CaptConfig.prompt_options needs a prompt_method")
 
     @property
     def slots_per_layer(self) -> int:
-        """Positions the capsule occupies at the front of the sequence."""
+        """Positions the capsule (or the prompt of `prompt_method`) occupies at the front of the sequence."""
+        if self.prompt_method is not None:
+            return make_options(self.prompt_method, self.prompt_options).num_tokens
         return self.num_slots + (1 if self.variant == "prepend" else 0)
+
+    @property
+    def writes_every_layer(self) -> bool:
+        """True: the slots are overwritten at every layer (CaPT, Deep Prompt-Tuning, M-IDPG); False: written at the
+        input layer only, then they flow through the model as ordinary tokens (prompt tuning)."""
+        if self.prompt_method is None:
+            return True
+        return make_options(self.prompt_method, self.prompt_options).every_layer
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "peft_type": PEFT_TYPE}

@@ -16,7 +16,10 @@ share this machinery. Once attached, the model itself behaves as a CaPT model, w
    pass of generation, never a decode step, whose slot already sits in the KV cache.
 4. A forward pre-hook on every layer overwrites the slot rows of the layer input with
    `S_i = p_i + Mean(instance tokens [+ slot output of layer i-1])`, out of place, with the capsules of each row's
-   adapter.
+   adapter. The owner's slot module computes the rows (`module(layer, hidden, weights)`): `Capsules`, or a prompt
+   module of `capt.baselines`. Prompt-tuning modules are written at the first layer only
+   (`CaptConfig.writes_every_layer` is False) and then flow through the model like tokens; a module with
+   `token_offsets` (DePT) also updates the user's tokens at that layer.
 5. A forward hook on the module owning the layers removes the slot from its output, so pooler, classifier,
    LM head and loss see exactly the user's tokens. (A T5 encoder keeps it: the decoder cross-attends to it.)
 """
@@ -33,7 +36,6 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .capsule import Capsules
 from .config import CaptConfig
 from .sites import CapsuleSite, find_sites, hidden_size, model_family
 from .slots import (
@@ -57,7 +59,8 @@ class CapsuleOwner(Protocol):
 
     active_adapter: str
 
-    def capsules_for(self, adapter_name: str) -> Capsules: ...
+    def capsules_for(self, adapter_name: str) -> nn.Module:
+        """The slot module of an adapter: `Capsules` or a `capt.baselines` prompt module."""
 
 
 @dataclass
@@ -97,6 +100,7 @@ class _PassState:
     active: bool
     first_weights: torch.Tensor | None = None  # mean weights at the first layer: instance tokens only
     rest_weights: torch.Tensor | None = None  # later layers: instance tokens and the slot output
+    positions: torch.Tensor | None = None  # token positions from the first real token; -1 for slots and padding
     groups: RowGroups | None = None
 
 
@@ -134,6 +138,8 @@ class CapsuleInjector:
         self.family = model_family(model)
         self.sites: list[CapsuleSite] = find_sites(model, config)
         self.num_slots = config.slots_per_layer
+        # Prompt tuning writes its slots at the input layer only; they then flow through the model as tokens.
+        self.every_layer = config.writes_every_layer
         self.num_layers = sum(len(site.layers) for site in self.sites)
         self.hidden_size = hidden_size(model)
         self.check_base_model(config)
@@ -144,6 +150,7 @@ class CapsuleInjector:
         self.row_adapters: list[str] | None = None  # per example, during a pass that names them
         self._generating = False
         self._instance_masks: dict[str, torch.Tensor] = {}  # role -> mask for the next prefill pass
+        self._token_masks: dict[str, torch.Tensor] = {}  # role -> non-padding user tokens (slots excluded)
         self._stream_lengths: dict[str, int] = {}  # role -> length with slots, to strip the output
         self._states: dict[str, _PassState] = {}
         entry = input_module(model)
@@ -192,6 +199,11 @@ class CapsuleInjector:
     def check_compatible(self, config: CaptConfig, adapter_name: str) -> None:
         """Adapters that share a model (a capsule bank) need the same layers and slot count."""
         self.check_base_model(config)
+        if config.writes_every_layer != self.every_layer:
+            raise ValueError(
+                f"adapter {adapter_name!r} writes its slots at {'every' if config.writes_every_layer else 'the input'} "
+                "layer, the adapters already on this model do not: adapters that share a model must agree"
+            )
         if config.slots_per_layer != self.num_slots:
             raise ValueError(
                 f"adapter {adapter_name!r} uses {config.slots_per_layer} slot(s) per layer, the adapters already on "
@@ -295,6 +307,9 @@ class CapsuleInjector:
                 # Positions count from the first real token, so that the slot (position 0) is as far from every
                 # token whatever the padding; generate() derives its positions from the mask the same way.
                 inputs["position_ids"] = positions_from_mask(inputs["attention_mask"])
+            role = self._role_for("input_ids")
+            self._instance_masks[role] = prepend(mask, self.num_slots, False)
+            self._token_masks[role] = prepend(self._stream_instance_mask(inputs, "", None), self.num_slots, False)
             insert_slots(inputs, "", self.num_slots)
         if self._role_for("decoder_input_ids") is not None:
             if "decoder_input_ids" not in inputs and "decoder_inputs_embeds" not in inputs:
@@ -302,6 +317,9 @@ class CapsuleInjector:
             # Every decoder token is a target or generated: none is an instance token.
             mask = torch.zeros_like(self._stream_instance_mask(inputs, "decoder_", None))
             self._instance_masks["decoder"] = prepend(mask, self.num_slots, False)
+            self._token_masks["decoder"] = prepend(
+                self._stream_instance_mask(inputs, "decoder_", None), self.num_slots, False
+            )
             insert_slots(inputs, "decoder_", self.num_slots)
         self._stream_lengths = {role: mask.shape[-1] for role, mask in self._instance_masks.items()}
         if adapter_names is not None:
@@ -334,6 +352,7 @@ class CapsuleInjector:
     def _end_pass(self) -> None:
         self._states.clear()
         self._instance_masks.clear()
+        self._token_masks.clear()
         self._stream_lengths = {}
         self.row_adapters = None
 
@@ -368,12 +387,8 @@ class CapsuleInjector:
             self._states[site.role] = _PassState(active=False)
             return
         batch, length = batch_and_length(args, kwargs)
-        mask = mask.reshape(-1, mask.shape[-1])  # multiple-choice inputs arrive flattened
-        if batch != mask.shape[0]:
-            mask = mask.repeat_interleave(batch // mask.shape[0], dim=0)  # beams / num_return_sequences
-        if length > mask.shape[1]:
-            # Uncached generation re-reads tokens generated after the prompt: never instance tokens.
-            mask = torch.nn.functional.pad(mask, (0, length - mask.shape[1]), value=False)
+        mask = _fit_rows(mask, batch, length)
+        tokens = _fit_rows(self._token_masks[site.role], batch, length)
         first = mask.float()
         rest = first.clone()
         rest[:, : self.num_slots] = 1.0
@@ -381,12 +396,16 @@ class CapsuleInjector:
             active=True,
             first_weights=first / first.sum(-1, keepdim=True).clamp(min=1.0),
             rest_weights=rest / rest.sum(-1, keepdim=True),
+            positions=torch.where(tokens, tokens.long().cumsum(-1) - 1, -1),
             groups=group_rows(self.row_adapters or [self.owner.active_adapter], batch, mask.device),
         )
 
     def _before_layer(self, site: CapsuleSite, position: int, module: nn.Module, args: tuple, kwargs: dict):
         state = self._states.get(site.role)
         if not self.enabled or state is None or not state.active:
+            return None
+        layer = site.first_index + position
+        if not self.every_layer and layer > 0:
             return None
         hidden = args[0] if args else kwargs["hidden_states"]
         weights = state.first_weights if position == 0 else state.rest_weights
@@ -395,12 +414,17 @@ class CapsuleInjector:
                 f"CaPT: layer input has shape {tuple(hidden.shape[:2])} but the instance mask "
                 f"has {tuple(weights.shape)}; call the model with its whole input, not layer by layer"
             )
-        layer = site.first_index + position
-        slots = run_by_rows(
-            state.groups,
-            lambda name, rows: self.owner.capsules_for(name)(layer, hidden[rows], weights[rows]),
-        )
-        hidden = torch.cat([slots, hidden[:, self.num_slots :]], dim=1)
+        n = self.num_slots
+
+        def layer_input(name: str, rows: Any) -> torch.Tensor:
+            module = self.owner.capsules_for(name)
+            slots = module(layer, hidden[rows], weights[rows])
+            tokens = hidden[rows, n:]
+            if layer == 0 and hasattr(module, "token_offsets"):  # DePT: an update of the input token embeddings
+                tokens = tokens + module.token_offsets(state.positions[rows, n:]).to(tokens.dtype)
+            return torch.cat([slots, tokens], dim=1)
+
+        hidden = run_by_rows(state.groups, layer_input)
         if args:
             return (hidden, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": hidden}
@@ -411,3 +435,14 @@ class CapsuleInjector:
         if not site.strips_output or state is None or not state.active:
             return output
         return strip_slots(output, self.num_slots, STREAM_FIELDS["own"], state.first_weights.shape[-1])
+
+
+def _fit_rows(mask: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """A per-example mask of the prefill input, shaped like the stack's (batch, length) input."""
+    mask = mask.reshape(-1, mask.shape[-1])  # multiple-choice inputs arrive flattened
+    if batch != mask.shape[0]:
+        mask = mask.repeat_interleave(batch // mask.shape[0], dim=0)  # beams / num_return_sequences
+    if length > mask.shape[1]:
+        # Uncached generation re-reads tokens generated after the prompt: never instance tokens.
+        mask = torch.nn.functional.pad(mask, (0, length - mask.shape[1]), value=False)
+    return mask

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .capsule import Capsules
+from .baselines.registry import build_slot_module
 from .config import WEIGHTS_NAME, CaptConfig
 from .heads import TaskHeads, resolve_head_names
 from .injector import CAPT_INPUTS, CapsuleInjector
@@ -152,7 +152,7 @@ class CaptModel(nn.Module):
 
     # ------------------------------------------------------------------ the capsule bank
 
-    def capsules_for(self, adapter_name: str) -> Capsules:
+    def capsules_for(self, adapter_name: str) -> nn.Module:
         self.require_loaded(adapter_name)
         return self.capsules if adapter_name == self.active_adapter else self.stored_capsules[adapter_name]
 
@@ -296,9 +296,10 @@ class CaptModel(nn.Module):
 
     # ------------------------------------------------------------------ internals
 
-    def _new_capsules(self, config: CaptConfig) -> Capsules:
+    def _new_capsules(self, config: CaptConfig) -> nn.Module:
+        """The slot module of an adapter: the capsules, or the prompt module of `config.prompt_method`."""
         device = next(self.base_model.parameters()).device
-        return Capsules(config, self.injector.num_layers, self.injector.hidden_size, device=device)
+        return build_slot_module(config, self.injector.num_layers, self.injector.hidden_size, device=device)
 
     def _heads_of(self, adapter_name: str) -> dict[str, nn.Module]:
         self.require_loaded(adapter_name)

@@ -23,6 +23,7 @@ from peft.utils import ModulesToSaveWrapper, PeftType, register_peft_method
 from peft.utils.other import set_additional_trainable_modules
 from torch import nn
 
+from ..baselines.registry import build_slot_module
 from ..capsule import Capsules
 from ..config import PEFT_TYPE, CaptConfig
 from ..heads import resolve_head_names
@@ -95,7 +96,7 @@ class CaptTuner(BaseTuner):
         # loading it into another model is refused on either path.
         config.base_model = config.base_model or self.injector.fingerprint()
         device = next(model.parameters()).device
-        capsules = Capsules(config, self.injector.num_layers, self.injector.hidden_size, device=device)
+        capsules = build_slot_module(config, self.injector.num_layers, self.injector.hidden_size, device=device)
         self.capt_layer.capt_capsules[adapter_name] = capsules.requires_grad_(False)
         is_active = adapter_name in self.active_adapters
         if is_active:

@@ -2,6 +2,8 @@
 
 `capt` and `deep-prompt` come from this library; `prompt` (Prompt Tuning), `ptv2` (P-Tuning v2 / prefix
 tuning), `lora` and `ia3` come from `peft`; `head` trains only the classifier; `full` trains everything.
+The CaPT paper's other baselines come from `capt.baselines`: `dept`, `lopa`, `idpg`, `m-idpg`, `smop` and
+`residual` run on the capsule slot machinery (`CaptConfig.prompt_method`), `adapter` (Houlsby) on module hooks.
 
 The baselines are built as their papers define them:
 - Prompt Tuning on T5 prompts the encoder only (Lester et al.; the CaPT paper's baseline). PEFT's seq2seq
@@ -14,14 +16,19 @@ The baselines are built as their papers define them:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
+from ..baselines.adapter import add_adapters
+from ..baselines.options import PROMPT_OPTIONS, AdapterOptions
 from ..config import CaptConfig
 from ..model import get_capt_model
+from ..sites import find_sites, hidden_size
 from .backbones import Backbone
 
-METHODS = ("capt", "deep-prompt", "prompt", "ptv2", "lora", "ia3", "head", "full")
+PROMPT_METHODS = tuple(PROMPT_OPTIONS)  # dept, lopa, idpg, m-idpg, smop, residual
+METHODS = ("capt", "deep-prompt", "prompt", "ptv2", "lora", "ia3", *PROMPT_METHODS, "adapter", "head", "full")
 PEFT_METHODS = ("prompt", "ptv2", "lora", "ia3")
 _PEFT_TASK_TYPES = {"encoder": "SEQ_CLS", "encoder-decoder": "SEQ_2_SEQ_LM", "decoder": "CAUSAL_LM"}
 
@@ -32,6 +39,15 @@ class MethodOptions:
     deep_prompt_slots: int = 10  # deep-prompt: m task slots per layer
     virtual_tokens: int = 20  # prompt / ptv2: soft-prompt length
     lora_rank: int = 8
+    prompt_length: int | None = None  # dept / lopa / idpg / m-idpg / smop / residual: None = the paper's default
+    prompt_rank: int | None = None  # dept, lopa: rank of the low-rank part; None = the paper's default
+    bottleneck: int | None = None  # idpg / m-idpg / residual / adapter: bottleneck width; None = the paper's default
+
+    def prompt_options(self, method: str) -> dict[str, Any]:
+        """The options given for prompt method `method`; the ones left None take the paper's defaults."""
+        fields = PROMPT_OPTIONS[method].__dataclass_fields__
+        given = {"length": self.prompt_length, "rank": self.prompt_rank, "bottleneck": self.bottleneck}
+        return {key: value for key, value in given.items() if value is not None and key in fields}
 
 
 def apply_method(backbone: Backbone, method: str, options: MethodOptions | None = None) -> nn.Module:
@@ -45,8 +61,10 @@ def apply_method(backbone: Backbone, method: str, options: MethodOptions | None 
     """
     options = options or MethodOptions()
     base = backbone.model
-    if method in ("capt", "deep-prompt"):
+    if method in ("capt", "deep-prompt", *PROMPT_METHODS):
         return get_capt_model(base, capt_config(method, options))
+    if method == "adapter":
+        return _with_adapters(base, options)
     if method in PEFT_METHODS:
         import peft
 
@@ -68,7 +86,10 @@ def apply_method(backbone: Backbone, method: str, options: MethodOptions | None 
 
 
 def capt_config(method: str, options: MethodOptions) -> CaptConfig:
-    """The CaptConfig of `capt` (one instance-aware capsule per layer) or `deep-prompt` (m learned slots)."""
+    """The CaptConfig of `capt` (one instance-aware capsule per layer), `deep-prompt` (m learned slots) or a
+    prompt baseline of `capt.baselines` (its slot module)."""
+    if method in PROMPT_METHODS:
+        return CaptConfig(prompt_method=method, prompt_options=options.prompt_options(method))
     if method == "capt":
         return CaptConfig(variant=options.variant)
     return CaptConfig(num_slots=options.deep_prompt_slots, instance_aware=False, init="normal")
@@ -93,9 +114,22 @@ def peft_config(method: str, family: str, options: MethodOptions):
 
 def extra_positions(method: str, options: MethodOptions) -> int:
     """Sequence positions the method puts in front of the user's tokens (prefix tuning adds keys, not positions)."""
-    if method in ("capt", "deep-prompt"):
+    if method in ("capt", "deep-prompt", *PROMPT_METHODS):
         return capt_config(method, options).slots_per_layer
     return options.virtual_tokens if method == "prompt" else 0
+
+
+def _with_adapters(base: nn.Module, options: MethodOptions) -> nn.Module:
+    """Houlsby adapters in every layer of every stack (a T5 encoder and decoder); the task head trains too."""
+    base.requires_grad_(False)
+    adapter_options = AdapterOptions(**({"bottleneck": options.bottleneck} if options.bottleneck else {}))
+    target = "both" if getattr(base.config, "is_encoder_decoder", False) else "auto"
+    for site in find_sites(base, CaptConfig(target=target)):
+        add_adapters(site.layers, hidden_size(base), adapter_options)
+    head = _classifier_name(base)
+    if head is not None:
+        base.get_submodule(head).requires_grad_(True)
+    return base
 
 
 def _classifier_name(model: nn.Module) -> str | None:

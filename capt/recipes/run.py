@@ -32,7 +32,8 @@ RUN_CONFIG_NAME = "run_config.json"
 TRAINABLE_NAME = "trainable.safetensors"
 CHECKPOINT_NAME = "checkpoint.pt"
 ADAPTER_DIR = "adapter"
-# Learning rates that train each method sensibly with AdamW on the MiniLM (override with --lr).
+# Learning rates that train each method sensibly with AdamW on the MiniLM (override with --lr). The entries of the
+# capt.baselines methods (dept ... adapter) are starting points, not yet tuned.
 DEFAULT_LR = {
     "capt": 1e-2,
     "deep-prompt": 1e-2,
@@ -40,9 +41,19 @@ DEFAULT_LR = {
     "ptv2": 1e-2,
     "lora": 5e-4,
     "ia3": 5e-3,
+    "dept": 1e-2,
+    "lopa": 1e-2,
+    "idpg": 1e-3,
+    "m-idpg": 1e-3,
+    "smop": 3e-2,
+    "residual": 1e-2,
+    "adapter": 1e-3,
     "head": 1e-3,
     "full": 3e-5,
 }
+
+
+DEFAULT_LR_SECONDARY = 1e-4
 
 
 @dataclass
@@ -59,6 +70,9 @@ class RunConfig:
     patience: int = 3
     lr: float | None = None  # None: the method's default (DEFAULT_LR)
     head_lr: float = 1e-3  # task heads of encoder classifiers, trained alongside input-side methods
+    # DePT's second learning rate, for its low-rank pair A, B (parameters under `secondary`); None: 1e-4, as in
+    # DePT's own setup (the prompt takes --lr).
+    lr_secondary: float | None = None
     weight_decay: float = 0.0
     optimizer: str = "adamw"  # adamw | adafactor
     warmup_ratio: float = 0.06
@@ -75,6 +89,9 @@ class RunConfig:
     virtual_tokens: int = 20
     lora_rank: int = 8
     decoder_head: str = "lm"  # decoder-only: lm (label-word likelihoods) | classifier (score head on the last token)
+    prompt_length: int | None = None  # dept, lopa, idpg, m-idpg, smop, residual: None = the paper's default
+    prompt_rank: int | None = None  # dept, lopa: None = the paper's default
+    bottleneck: int | None = None  # idpg, m-idpg, residual, adapter: None = the paper's default
     t5_generate: bool = False  # T5: predict by greedy decoding + exact match instead of label-word likelihoods
     checkpoint_every: int = 50  # batches between crash-safe checkpoints (0: only at epoch ends)
     trust_remote_code: bool = False  # run code shipped with a Hub model (off unless asked)
@@ -89,6 +106,8 @@ class RunConfig:
             self.lr = DEFAULT_LR[self.method]
         if self.decoder_head not in ("lm", "classifier"):
             raise ValueError(f"unknown decoder_head {self.decoder_head!r}; choose lm or classifier")
+        if self.lr_secondary is None:
+            self.lr_secondary = DEFAULT_LR_SECONDARY
         if self.optimizer not in ("adamw", "adafactor"):
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose adamw or adafactor")
         for name in ("epochs", "batch_size", "eval_batch_size", "grad_accum", "max_length"):
@@ -96,7 +115,15 @@ class RunConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     def method_options(self) -> MethodOptions:
-        return MethodOptions(self.variant, self.deep_prompt_slots, self.virtual_tokens, self.lora_rank)
+        return MethodOptions(
+            self.variant,
+            self.deep_prompt_slots,
+            self.virtual_tokens,
+            self.lora_rank,
+            self.prompt_length,
+            self.prompt_rank,
+            self.bottleneck,
+        )
 
 
 def read_run_config(run_dir: str | Path) -> RunConfig:

@@ -296,8 +296,11 @@ def length_grouped_batches(lengths: list[int], batch_size: int, rng: random.Rand
 
 def _optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimizer:
     heads = [p for n, p in model.named_parameters() if p.requires_grad and _is_head(n)]
-    others = [p for n, p in model.named_parameters() if p.requires_grad and not _is_head(n)]
+    secondary = [p for n, p in model.named_parameters() if p.requires_grad and _is_secondary(n)]
+    others = [p for n, p in model.named_parameters() if p.requires_grad and not (_is_head(n) or _is_secondary(n))]
     groups = [{"params": others, "lr": config.lr}]
+    if secondary:  # DePT trains its low-rank pair with its own learning rate
+        groups.append({"params": secondary, "lr": config.lr_secondary})
     if heads and config.method != "full":
         groups.append({"params": heads, "lr": config.head_lr})
     else:
@@ -307,6 +310,10 @@ def _optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimizer:
             groups, scale_parameter=False, relative_step=False, warmup_init=False, weight_decay=config.weight_decay
         )
     return torch.optim.AdamW(groups, weight_decay=config.weight_decay)
+
+
+def _is_secondary(name: str) -> bool:
+    return "secondary" in name.split(".")
 
 
 def _is_head(name: str) -> bool:

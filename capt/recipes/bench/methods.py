@@ -12,9 +12,9 @@ from torch import nn
 
 from ...config import VARIANTS
 from ..backbones import Backbone
-from ..methods import MethodOptions, apply_method, extra_positions
+from ..methods import PROMPT_METHODS, MethodOptions, apply_method, extra_positions
 
-PROMPT_STYLE = ("deep-prompt", "prompt", "ptv2")
+PROMPT_STYLE = ("deep-prompt", "prompt", "ptv2", *PROMPT_METHODS)
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,8 @@ METHODS = {
         *(Method(f"prompt-tuning-{m}", "prompt", MethodOptions(virtual_tokens=m)) for m in (20, 100)),
         *(Method(f"prefix-{m}", "ptv2", MethodOptions(virtual_tokens=m)) for m in (20, 100)),
         Method("lora-8", "lora", MethodOptions(lora_rank=8)),
+        *(Method(name, name) for name in PROMPT_METHODS),  # each at its paper's defaults
+        Method("adapter-64", "adapter", MethodOptions(bottleneck=64)),
         Method("full", "full"),
     )
 }

@@ -1,0 +1,180 @@
+"""The options of each baseline, with the paper's defaults and parameter-count formulas.
+
+A leaf module (imports nothing of capt): `CaptConfig` validates `prompt_options` through it.
+
+Example:
+    >>> opts = make_options("dept", {})
+    >>> opts.num_tokens, opts.rank, opts.parameter_count(hidden=768, layers=12)
+    (60, 30, 76800)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+
+def _positive(owner: object, *names: str) -> None:
+    for name in names:
+        value = getattr(owner, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{type(owner).__name__}.{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DePTOptions:
+    """DePT (Shi & Lipani, ICLR 2024): a soft prompt of `length` tokens plus A (positions x rank) @ B (rank x d)
+    added to the first `positions` input token embeddings. T5-Base defaults: m=60, r=30, s=256 (76,800 parameters,
+    the budget of a 100-token prompt)."""
+
+    length: int = 60
+    rank: int = 30
+    positions: int = 256
+    every_layer = False
+
+    def __post_init__(self) -> None:
+        _positive(self, "length", "rank", "positions")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.length
+
+    def parameter_count(self, hidden: int, layers: int) -> int:
+        return self.length * hidden + self.rank * (self.positions + hidden)
+
+
+@dataclass(frozen=True)
+class LoPAOptions:
+    """LoPA (Jain et al., 2024): Z = Z_S * sigmoid(u(x) v(x)), Z_S a task-shared (length x d) prompt, u (length x
+    rank) and v (rank x d) computed from the pooled input by an encoder d -> `encoder_hidden` (tanh)."""
+
+    length: int = 10
+    rank: int = 1
+    encoder_hidden: int = 64
+    every_layer = False
+
+    def __post_init__(self) -> None:
+        _positive(self, "length", "rank", "encoder_hidden")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.length
+
+    def parameter_count(self, hidden: int, layers: int) -> int:
+        encoder = hidden * self.encoder_hidden + self.encoder_hidden
+        heads = (self.encoder_hidden + 1) * self.rank * (self.length + hidden)
+        return self.length * hidden + encoder + heads
+
+
+@dataclass(frozen=True)
+class IDPGOptions:
+    """IDPG / M-IDPG (Wu et al., NAACL 2022): a bottleneck generator d -> `bottleneck` (ReLU) -> length x d maps the
+    sentence representation (masked mean of the input embeddings) to the prompt, at the input layer (IDPG) or with
+    one output projection per layer (M-IDPG, `every_layer=True`)."""
+
+    length: int = 5
+    bottleneck: int = 256
+    every_layer: bool = False
+
+    def __post_init__(self) -> None:
+        _positive(self, "length", "bottleneck")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.length
+
+    def parameter_count(self, hidden: int, layers: int) -> int:
+        outputs = layers if self.every_layer else 1
+        return hidden * self.bottleneck + self.bottleneck + outputs * (self.bottleneck + 1) * self.length * hidden
+
+
+@dataclass(frozen=True)
+class SMoPOptions:
+    """SMoP (Choi et al., EMNLP 2023): `num_prompts` prompts of `length` tokens; a linear router on the pooled input
+    picks one (top-1), scaled by its probability; in training Gaussian noise of std `noise_std` perturbs the
+    router logits."""
+
+    num_prompts: int = 4
+    length: int = 5
+    noise_std: float = 1.0
+    every_layer = False
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_prompts", "length")
+        if self.noise_std < 0:
+            raise ValueError(f"SMoPOptions.noise_std must be >= 0, got {self.noise_std}")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.length
+
+    def parameter_count(self, hidden: int, layers: int) -> int:
+        return self.num_prompts * self.length * hidden + (hidden + 1) * self.num_prompts
+
+
+@dataclass(frozen=True)
+class ResidualPromptOptions:
+    """Residual Prompt Tuning (Razdaibiedina et al., ACL 2023): P' = P + LayerNorm(up(ReLU(down(P)))), one MLP
+    (bottleneck `bottleneck`) shared by the `length` tokens. `reparameterize=False` is the folded form: plain
+    prompts P', what `fold_residual_prompt` leaves after training."""
+
+    length: int = 10
+    bottleneck: int = 400
+    reparameterize: bool = True
+    every_layer = False
+
+    def __post_init__(self) -> None:
+        _positive(self, "length", "bottleneck")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.length
+
+    def parameter_count(self, hidden: int, layers: int) -> int:
+        mlp = 2 * hidden * self.bottleneck + self.bottleneck + hidden + 2 * hidden if self.reparameterize else 0
+        return self.length * hidden + mlp
+
+
+@dataclass(frozen=True)
+class AdapterOptions:
+    """Bottleneck adapters (Houlsby et al., 2019): h + up(GELU(down(h))) after the attention and the feed-forward
+    sublayer of every layer; `up` starts at zero, so the untrained adapter is the identity."""
+
+    bottleneck: int = 64
+
+    def __post_init__(self) -> None:
+        _positive(self, "bottleneck")
+
+    def parameter_count(self, hidden: int, sublayers: int) -> int:
+        """`sublayers`: 2 per encoder or decoder-only layer, 3 per T5 decoder layer (cross-attention too)."""
+        return sublayers * (2 * hidden * self.bottleneck + self.bottleneck + hidden)
+
+
+PROMPT_OPTIONS = {
+    "dept": DePTOptions,
+    "lopa": LoPAOptions,
+    "idpg": IDPGOptions,
+    "m-idpg": IDPGOptions,
+    "smop": SMoPOptions,
+    "residual": ResidualPromptOptions,
+}
+PromptOptions = DePTOptions | LoPAOptions | IDPGOptions | SMoPOptions | ResidualPromptOptions
+
+
+def make_options(method: str, values: dict[str, Any] | None) -> PromptOptions:
+    """The validated options of prompt method `method` from a dict (unknown keys raise ValueError)."""
+    if method not in PROMPT_OPTIONS:
+        raise ValueError(f"unknown prompt method {method!r}; choose one of {', '.join(PROMPT_OPTIONS)}")
+    cls = PROMPT_OPTIONS[method]
+    values = dict(values or {})
+    if method == "m-idpg":
+        values.setdefault("every_layer", True)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"prompt_options for {method!r}: unknown fields {unknown}; known: {sorted(known)}")
+    return cls(**values)
+
+
+def options_dict(options: PromptOptions) -> dict[str, Any]:
+    return asdict(options)

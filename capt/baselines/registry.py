@@ -1,0 +1,34 @@
+"""Builds the slot module of a prompt method (what `CaptModel` calls instead of `Capsules`)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..capsule import Capsules
+from .dept import DePTPrompt
+from .idpg import IDPGPrompt
+from .lopa import LoPAPrompt
+from .options import make_options
+from .residual import ResidualPrompt
+from .smop import SMoPPrompt
+
+PROMPT_MODULES = {
+    "dept": DePTPrompt,
+    "lopa": LoPAPrompt,
+    "idpg": IDPGPrompt,
+    "m-idpg": IDPGPrompt,
+    "smop": SMoPPrompt,
+    "residual": ResidualPrompt,
+}
+
+
+def build_prompt_module(method: str, options: dict, num_layers: int, hidden: int, device=None) -> nn.Module:
+    """The slot module of `method`: `module(layer, hidden, weights)` -> (B, num_tokens, d)."""
+    return PROMPT_MODULES[method](make_options(method, options), num_layers, hidden, device=device)
+
+
+def build_slot_module(config, num_layers: int, hidden: int, device=None) -> nn.Module:
+    """The slot module of a `CaptConfig`: the prompt module of `config.prompt_method`, else the capsules."""
+    if config.prompt_method is not None:
+        return build_prompt_module(config.prompt_method, config.prompt_options, num_layers, hidden, device=device)
+    return Capsules(config, num_layers, hidden, device=device)

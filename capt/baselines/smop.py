@@ -1,0 +1,33 @@
+"""SMoP: several short prompts and a top-1 router on the pooled input.
+
+g = softmax(W pool(E) + b [+ noise in training]),  k* = argmax g,  P(x) = g_k* * P_k*
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._common import pooled_input, prompt_table
+from .options import SMoPOptions
+
+
+class SMoPPrompt(nn.Module):
+    def __init__(self, options: SMoPOptions, num_layers: int, hidden: int, device=None):
+        super().__init__()
+        self.options = options
+        self.prompts = prompt_table(options.num_prompts, options.length, hidden, device=device)
+        self.router = nn.Linear(hidden, options.num_prompts, device=device)
+
+    def route(self, hidden: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """(B, num_prompts) router probabilities; perturbed by Gaussian noise in training (router perturbation)."""
+        logits = self.router(pooled_input(hidden, weights, self.router.weight.dtype))
+        if self.training and self.options.noise_std > 0:
+            logits = logits + torch.randn_like(logits) * self.options.noise_std
+        return logits.softmax(-1)
+
+    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        probs = self.route(hidden, weights)
+        gate, choice = probs.max(-1)
+        # The chosen prompt scaled by its probability, so the router learns through the gate.
+        return (self.prompts[choice] * gate.view(-1, 1, 1)).to(hidden.dtype)

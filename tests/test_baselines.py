@@ -1,0 +1,272 @@
+"""The paper's other baselines: DePT, LoPA, IDPG / M-IDPG, SMoP, Residual Prompt Tuning on the slot machinery, and
+bottleneck adapters on module hooks. Each is checked against an independent computation on a tiny model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import batch_inputs, build
+
+import capt
+from capt.baselines.adapter import BottleneckAdapter
+from capt.baselines.options import AdapterOptions, make_options
+from capt.baselines.residual import fold_residual_prompt
+from capt.recipes.backbones import Backbone
+from capt.recipes.methods import PROMPT_METHODS, MethodOptions, apply_method, capt_config
+
+# Small settings: the tiny BERT has 64 positions, and short prompts keep the tests quick.
+SMALL = {
+    "dept": {"length": 4, "rank": 3, "positions": 16},
+    "lopa": {"length": 4, "rank": 2, "encoder_hidden": 8},
+    "idpg": {"length": 3, "bottleneck": 8},
+    "m-idpg": {"length": 3, "bottleneck": 8},
+    "smop": {"num_prompts": 3, "length": 2},
+    "residual": {"length": 4, "bottleneck": 8},
+}
+FAMILIES = ("llama", "t5", "bert-cls")
+
+
+def _model(family: str, method: str, seed: int = 1):
+    model = capt.get_capt_model(build(family), capt.CaptConfig(prompt_method=method, prompt_options=SMALL[method]))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # non-zero everywhere (DePT's B and the adapters' up start at zero)
+        for param in model.capsules.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    return model.eval()  # SMoP perturbs its router in training mode
+
+
+def _reference_prompt(module, method: str, embeds: torch.Tensor, mask: torch.Tensor, layer: int = 0):
+    """The prompt each paper defines, computed from the module's parameters with plain tensor operations."""
+    o = module.options
+    pooled = (embeds * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)  # sentence representation
+    if method == "dept":
+        return module.prompt.expand(len(embeds), -1, -1)
+    if method == "lopa":
+        f = torch.tanh(pooled @ module.encoder.weight.T + module.encoder.bias)
+        u = (f @ module.u.weight.T + module.u.bias).view(-1, o.length, o.rank)
+        v = (f @ module.v.weight.T + module.v.bias).view(-1, o.rank, embeds.shape[-1])
+        return module.shared * torch.sigmoid(torch.einsum("bmr,brd->bmd", u, v))
+    if method in ("idpg", "m-idpg"):
+        h = torch.relu(pooled @ module.down.weight.T + module.down.bias)
+        up = module.up[layer if o.every_layer else 0]
+        return (h @ up.weight.T + up.bias).view(len(embeds), o.length, -1)
+    if method == "smop":
+        probs = torch.softmax(pooled @ module.router.weight.T + module.router.bias, -1)
+        k = probs.argmax(-1)
+        return torch.stack([module.prompts[k[b]] * probs[b, k[b]] for b in range(len(embeds))])
+    if method == "residual":
+        lin1, lin2, norm = module.mlp[0], module.mlp[2], module.mlp[3]
+        z = torch.relu(module.prompt @ lin1.weight.T + lin1.bias) @ lin2.weight.T + lin2.bias
+        z = (z - z.mean(-1, keepdim=True)) / torch.sqrt(z.var(-1, unbiased=False, keepdim=True) + norm.eps)
+        return (module.prompt + z * norm.weight + norm.bias).expand(len(embeds), -1, -1)
+    raise AssertionError(method)
+
+
+def _layer_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _dept_offsets(module, length: int) -> torch.Tensor:
+    update = module.secondary["a"] @ module.secondary["b"]
+    rows = torch.zeros(length, update.shape[-1])
+    rows[: min(length, len(update))] = update[:length]
+    return rows
+
+
+@pytest.mark.parametrize("family", ["llama", "t5"])
+@pytest.mark.parametrize("method", [m for m in PROMPT_METHODS if m != "m-idpg"])
+def test_input_layer_prompt_equals_prepending_it_to_the_embeddings(family, method):
+    """An input-layer method is the base model run on [prompt(x) ; E (+ DePT's update)] as inputs_embeds."""
+    model = _model(family, method)
+    inputs = batch_inputs(family, length=20)
+    with torch.no_grad():
+        ours = model(**inputs).logits
+        base = model.base_model
+        embeds = base.get_input_embeddings()(inputs["input_ids"])
+        prompt = _reference_prompt(model.capsules, method, embeds, inputs["attention_mask"].float())
+        if method == "dept":
+            embeds = embeds + _dept_offsets(model.capsules, embeds.shape[1])
+        full = torch.cat([prompt, embeds], 1)
+        mask = torch.cat([torch.ones(len(full), prompt.shape[1], dtype=torch.long), inputs["attention_mask"]], 1)
+        with model.disable_adapter():
+            if family == "t5":
+                reference = base(inputs_embeds=full, attention_mask=mask, labels=inputs["labels"]).logits
+            else:
+                reference = base(inputs_embeds=full, attention_mask=mask).logits[:, prompt.shape[1] :]
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-4)
+
+
+def test_m_idpg_writes_every_layer_from_the_first_layer_sentence_representation():
+    """M-IDPG: the slots at the input of layer i are layer i's generated prompt of the same s(x)."""
+    model = _model("llama", "m-idpg")
+    inputs = batch_inputs("llama", length=7)
+    seen = {}
+    layers = model.base_model.model.layers
+    hooks = [
+        layer.register_forward_pre_hook(
+            lambda m, a, k, i=i: seen.__setitem__(i, _layer_input(a, k).clone()), with_kwargs=True
+        )
+        for i, layer in enumerate(layers)
+    ]
+    with torch.no_grad():
+        model(**inputs)
+        embeds = model.base_model.get_input_embeddings()(inputs["input_ids"])
+        for i in range(len(layers)):
+            expected = _reference_prompt(model.capsules, "m-idpg", embeds, inputs["attention_mask"].float(), i)
+            torch.testing.assert_close(seen[i][:, :3], expected, atol=1e-5, rtol=1e-4)
+    for hook in hooks:
+        hook.remove()
+
+
+def test_input_layer_methods_let_the_prompt_flow_through():
+    """Layer 1 receives layer 0's output at the prompt positions: nothing overwrites them after the input layer."""
+    model = _model("llama", "idpg")
+    layers = model.base_model.model.layers
+    seen = {}
+    out = layers[0].register_forward_hook(lambda m, a, o: seen.__setitem__("out", o[0] if isinstance(o, tuple) else o))
+    into = layers[1].register_forward_pre_hook(
+        lambda m, a, k: seen.__setitem__("in", _layer_input(a, k)), with_kwargs=True
+    )
+    with torch.no_grad():
+        model(**batch_inputs("llama"))
+    out.remove(), into.remove()
+    assert not model.injector.every_layer
+    torch.testing.assert_close(seen["in"], seen["out"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method", PROMPT_METHODS)
+def test_padding_does_not_change_results(family, method):
+    model = _model(family, method)
+    inputs = batch_inputs(family, batch=2, length=9)
+    inputs["attention_mask"][1, 6:] = 0
+    alone = {k: v[1:2, :6] if k != "labels" else v[1:2] for k, v in inputs.items()}
+    with torch.no_grad():
+        batched = model(**inputs).logits[1]
+        single = model(**alone).logits[0]
+    rows = slice(None) if family != "llama" else slice(0, 6)
+    torch.testing.assert_close(batched[rows], single, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", PROMPT_METHODS)
+def test_save_and_load_round_trip(method, tmp_adapter):
+    model = _model("bert-cls", method)
+    inputs = batch_inputs("bert-cls")
+    with torch.no_grad():
+        before = model(**inputs).logits
+    model.save_pretrained(tmp_adapter)
+    loaded = capt.CaptModel.from_pretrained(build("bert-cls"), tmp_adapter)
+    assert loaded.capt_config.prompt_method == method
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**inputs).logits, before)
+
+
+@pytest.mark.parametrize("family", ["llama", "t5"])
+@pytest.mark.parametrize("method", PROMPT_METHODS)
+def test_generate_with_cache_equals_without(family, method):
+    model = _model(family, method)
+    ids = batch_inputs(family, batch=2, length=5)["input_ids"]
+    mask = torch.ones_like(ids)
+    if family == "llama":
+        mask[0, :2] = 0  # left padding
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    cached = model.generate(**kwargs, use_cache=True)
+    uncached = model.generate(**kwargs, use_cache=False)
+    assert cached.shape == (2, 9) if family == "llama" else cached.shape[0] == 2
+    assert torch.equal(cached, uncached)
+
+
+def test_smop_routes_top1_and_perturbs_the_router_in_training_only():
+    model = _model("llama", "smop")
+    inputs = batch_inputs("llama", batch=4)
+    with torch.no_grad():
+        evaluated = [model(**inputs).logits for _ in range(2)]
+        torch.testing.assert_close(evaluated[0], evaluated[1])
+        model.train()
+        torch.manual_seed(0)
+        trained = [model(**inputs).logits for _ in range(4)]
+    assert any(not torch.allclose(trained[0], t) for t in trained[1:])
+
+
+def test_residual_prompt_folds_into_plain_prompts(tmp_adapter):
+    model = _model("llama", "residual")
+    inputs = batch_inputs("llama")
+    with torch.no_grad():
+        before = model(**inputs).logits
+    fold_residual_prompt(model)
+    assert model.capsules.mlp is None
+    assert model.get_nb_trainable_parameters()[0] == 4 * 32  # only the m x d prompt is left
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).logits, before, atol=1e-6, rtol=1e-5)
+    model.save_pretrained(tmp_adapter)
+    loaded = capt.CaptModel.from_pretrained(build("llama"), tmp_adapter)
+    assert loaded.capt_config.prompt_options["reparameterize"] is False
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**inputs).logits, before, atol=1e-6, rtol=1e-5)
+
+
+# The paper defaults and the parameter-count formulas at real sizes, on the meta device (no weights).
+REAL = {"minilm": (6, 384), "smollm2-135m": (30, 576), "t5-base": (12, 768)}
+
+
+@pytest.mark.parametrize("method", PROMPT_METHODS)
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_parameter_count_follows_the_papers_formula(method, family):
+    from transformers import LlamaForCausalLM, T5ForConditionalGeneration
+
+    from capt.recipes.backbones import random_config
+
+    layers, width = (30, 576) if family == "llama" else (12, 768)
+    cls = LlamaForCausalLM if family == "llama" else T5ForConditionalGeneration
+    with torch.device("meta"):
+        base = cls(random_config(family, layers=layers, width=width, heads=4, vocab=101))
+    model = capt.get_capt_model(base, capt_config(method, MethodOptions()))
+    expected = make_options(method, None).parameter_count(width, layers)
+    assert model.get_nb_trainable_parameters()[0] == expected
+
+
+def test_dept_defaults_are_the_papers():
+    options = make_options("dept", None)
+    assert (options.length, options.rank, options.positions) == (60, 30, 256)
+    assert options.parameter_count(768, 12) == 100 * 768  # the budget of a 100-token prompt on T5-Base
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bottleneck_adapters_follow_houlsby(family):
+    base = build(family)
+    model = apply_method(Backbone(base, None, family_of(family), family), "adapter", MethodOptions(bottleneck=4))
+    adapters = [m for m in model.modules() if isinstance(m, BottleneckAdapter)]
+    sublayers = {"llama": 2 * 3, "t5": 2 * 2 + 3 * 2, "bert-cls": 2 * 3}[family]
+    assert len(adapters) == sublayers
+    head = sum(p.numel() for n, p in model.named_parameters() if "classifier" in n)
+    assert model.num_parameters(only_trainable=True) == AdapterOptions(4).parameter_count(32, sublayers) + head
+    inputs = batch_inputs(family)
+    with torch.no_grad():
+        untouched = model(**inputs).logits  # up starts at zero: the identity
+        for adapter in adapters:
+            adapter.up.weight.normal_()
+        changed = model(**inputs).logits
+    reference_base = build(family)
+    with torch.no_grad():
+        torch.testing.assert_close(untouched, reference_base(**inputs).logits)
+    assert not torch.allclose(changed, untouched)
+    # The math on one sublayer: output + up(gelu(down(output))).
+    adapter = adapters[0]
+    h = torch.randn(2, 5, 32)
+    expected = h + torch.nn.functional.gelu(h @ adapter.down.weight.T + adapter.down.bias) @ adapter.up.weight.T
+    torch.testing.assert_close(adapter(h), expected + adapter.up.bias)
+
+
+def family_of(name: str) -> str:
+    return {"llama": "decoder", "t5": "encoder-decoder", "bert-cls": "encoder"}[name]
+
+
+def test_dept_low_rank_pair_gets_its_own_learning_rate():
+    from capt.recipes.run import RunConfig
+    from capt.recipes.train import _optimizer
+
+    model = capt.get_capt_model(build("llama"), capt.CaptConfig(prompt_method="dept", prompt_options=SMALL["dept"]))
+    optimizer = _optimizer(model, RunConfig(method="dept", lr=0.3, lr_secondary=1e-4))
+    groups = {g["lr"]: {id(p) for p in g["params"]} for g in optimizer.param_groups}
+    assert groups[0.3] == {id(model.capsules.prompt)}
+    assert groups[1e-4] == {id(p) for p in model.capsules.secondary.values()}
