@@ -204,3 +204,116 @@ def test_overwrite_with_bad_data_leaves_the_finished_run_intact(finished_run, tm
         k: v for k, v in before.items() if k != ".capt.lock"
     }
     assert main(["eval", "--adapter", str(run)]) == 0
+
+
+def _cb_examples():
+    from capt.recipes.data import paper_splits
+
+    return paper_splits("cb", str(DATA))["test"][:4]
+
+
+def _llama_format(max_length: int = 64):
+    from capt.recipes.backbones import load_backbone
+    from capt.recipes.formats import make_format
+
+    backbone = load_backbone("tiny-llama", num_labels=3)
+    return make_format(backbone.family, "cb", backbone.tokenizer, max_length)
+
+
+def test_the_feature_cache_follows_the_text_not_only_the_ids(tmp_path):
+    from capt.recipes.evaluate import encode_cached
+
+    config, fmt, examples = RunConfig(cache_dir=str(tmp_path)), _llama_format(), _cb_examples()
+    first = encode_cached(fmt, examples, config)
+    rewritten = [dataclasses.replace(ex, fields={**ex.fields, "premise": "A new premise."}) for ex in examples]
+    again = encode_cached(fmt, rewritten, config)
+    assert again == [fmt.encode(ex) for ex in rewritten] != first
+    relabelled = [dataclasses.replace(ex, label=(ex.label + 1) % 3) for ex in examples]
+    assert [f["label"] for f in encode_cached(fmt, relabelled, config)] == [ex.label for ex in relabelled]
+
+
+def test_a_torn_feature_cache_file_is_rebuilt(tmp_path):
+    from capt.recipes.evaluate import encode_cached
+
+    config, fmt, examples = RunConfig(cache_dir=str(tmp_path)), _llama_format(), _cb_examples()
+    expected = encode_cached(fmt, examples, config)
+    (cached,) = tmp_path.glob("*.pt")
+    cached.write_bytes(cached.read_bytes()[:100])
+    with pytest.warns(UserWarning, match="rebuilding the unreadable feature cache"):
+        assert encode_cached(fmt, examples, config) == expected
+    assert torch.load(cached, weights_only=True) == expected
+
+
+def test_a_tiny_max_length_truncates_or_says_there_is_no_room():
+    example = _cb_examples()[0]
+    features = _llama_format(max_length=8).encode(example)
+    assert max(len(row["input_ids"]) for row in features["rows"]) <= 8
+    with pytest.raises(ValueError, match="max_length 1 leaves no room for the prompt"):
+        _llama_format(max_length=1).encode(example)
+
+
+def test_max_length_reserves_the_slots_of_an_absolute_position_table():
+    from capt.recipes.run import build_model
+
+    _, fmt = build_model(RunConfig(model="minilm", task="cb", max_length=512))
+    assert fmt.max_length == 511  # 512 positions, one for the capsule slot
+    _, fmt = build_model(RunConfig(model="minilm", task="cb", method="prompt", max_length=512, virtual_tokens=20))
+    assert fmt.max_length == 492
+    with pytest.raises(ValueError, match="--max-length 100000 is beyond the 512 positions of minilm"):
+        build_model(RunConfig(model="minilm", task="cb", max_length=100000))
+
+
+def test_an_input_as_long_as_the_position_table_is_a_clear_error_under_capt():
+    import capt
+    from tests.conftest import tiny_bert_classifier
+
+    model = capt.get_capt_model(tiny_bert_classifier(), capt.CaptConfig())  # 64 positions
+    model(input_ids=torch.ones(1, 63, dtype=torch.long))  # 63 tokens + the slot fit
+    with pytest.raises(ValueError, match="truncate inputs to 63 tokens"):
+        model(input_ids=torch.ones(1, 64, dtype=torch.long))
+
+
+def test_an_all_nan_adapter_is_refused():
+    import capt
+    from tests.conftest import tiny_bert_model
+
+    model = capt.get_capt_model(tiny_bert_model(), capt.CaptConfig())
+    state = {k: torch.full_like(v, math.nan) for k, v in model.adapter_state_dict().items()}
+    with pytest.raises(ValueError, match="holds NaN or inf values"):
+        model.load_adapter_state_dict(state)
+
+
+def test_the_metrics_log_stays_valid_json_with_nan(tmp_path):
+    from capt.recipes.reporting import MetricsLog, read_log
+
+    log = MetricsLog(tmp_path)
+    log.write({"kind": "step", "epoch": 1, "step": 1, "loss": math.nan, "lr": math.inf})
+    log.close()
+    assert read_log(tmp_path) == [{"kind": "step", "epoch": 1, "step": 1, "loss": None, "lr": None}]
+
+
+def test_weights_that_became_nan_are_never_saved_as_best(tmp_path, monkeypatch):
+    from capt.recipes import train as recipe
+
+    real_validate = recipe.TrainingRecipe._validate
+
+    def poisoned(self, epoch):  # the last update of the epoch blew the weights up
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    p.fill_(math.nan)
+        real_validate(self, epoch)
+
+    monkeypatch.setattr(recipe.TrainingRecipe, "_validate", poisoned)
+    config = RunConfig(
+        model="tiny-llama",
+        task="cb",
+        limit_train=8,
+        limit_eval=8,
+        epochs=1,
+        data_dir=str(DATA),
+        output_dir=str(tmp_path),
+    )
+    with pytest.raises(FloatingPointError, match="became NaN or inf by epoch 1"):
+        recipe.train(config)
+    assert not (tmp_path / "trainable.safetensors").exists()
