@@ -122,6 +122,24 @@ def input_module(model: PreTrainedModel) -> nn.Module:
     return model.base_model if pools_input_ids else model
 
 
+def absolute_positions(config: Any) -> int | None:
+    """Size of a model's absolute position table (BERT, RoBERTa, GPT-2); None for rotary or relative positions.
+
+    Example:
+        >>> absolute_positions(transformers.BertConfig())  # doctest: +SKIP
+        512
+    """
+    if config.model_type == "gpt2":
+        return config.n_positions
+    if config.model_type in ("bert", "roberta", "xlm-roberta") and (
+        getattr(config, "position_embedding_type", "absolute") == "absolute"
+    ):
+        # RoBERTa numbers positions from padding_idx + 1 on
+        offset = config.pad_token_id + 1 if config.model_type != "bert" and config.pad_token_id is not None else 0
+        return config.max_position_embeddings - offset
+    return None
+
+
 class CapsuleInjector:
     """Attaches the CaPT hooks to `model`; `owner` provides the capsules of each adapter.
 
@@ -142,6 +160,7 @@ class CapsuleInjector:
         self.every_layer = config.writes_every_layer
         self.num_layers = sum(len(site.layers) for site in self.sites)
         self.hidden_size = hidden_size(model)
+        self.position_limit = absolute_positions(model.config)
         self.check_base_model(config)
 
         self.enabled = True
@@ -300,6 +319,12 @@ class CapsuleInjector:
         self._end_pass()
         if self._role_for("input_ids") is not None:
             mask = self._stream_instance_mask(inputs, "", instance_mask)
+            if self.position_limit is not None and mask.shape[-1] + self.num_slots > self.position_limit:
+                raise ValueError(
+                    f"an input of {mask.shape[-1]} tokens plus {self.num_slots} capsule slot(s) needs more than the "
+                    f"model's {self.position_limit} positions: truncate inputs to "
+                    f"{self.position_limit - self.num_slots} tokens"
+                )
             if self.family == "decoder" and "labels" in inputs and inputs["labels"].shape == mask.shape:
                 mask = mask & (inputs["labels"] == -100)  # targets never enter: no answer leakage
             self._instance_masks[self._role_for("input_ids")] = prepend(mask, self.num_slots, False)

@@ -241,6 +241,8 @@ class CaptModel(nn.Module):
                 raise ValueError(
                     f"{source}: {key} has shape {tuple(tensor.shape)}, this model needs {tuple(expected[key].shape)}"
                 )
+            if not torch.isfinite(tensor).all():  # NaN weights would turn every output into NaN
+                raise ValueError(f"{source}: {key} holds NaN or inf values; it is not a usable adapter")
         with torch.no_grad():
             for key, tensor in state.items():
                 expected[key].copy_(tensor)

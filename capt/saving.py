@@ -37,6 +37,9 @@ def atomic_write(target: str | os.PathLike, write: Callable[[str], None]) -> Non
     try:
         write(tmp)
         os.replace(tmp, target)
+    except (OSError, RuntimeError) as err:  # torch's writer reports a full disk as a RuntimeError
+        Path(tmp).unlink(missing_ok=True)
+        raise OSError(f"could not write {target} ({err}); disk full? Any previous {target.name} is intact") from err
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

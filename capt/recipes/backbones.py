@@ -35,6 +35,7 @@ from transformers import (
     T5Config,
 )
 
+from ..injector import absolute_positions
 from ..sites import config_family, model_family
 from .gguf import GGUF_BACKBONES, pretrained_folder
 
@@ -55,10 +56,7 @@ class Backbone:
     @property
     def max_positions(self) -> int | None:
         """Size of an absolute position table (BERT, GPT-2); None for rotary or relative positions."""
-        config = self.model.config
-        if config.model_type in ("bert", "roberta"):
-            return config.max_position_embeddings
-        return getattr(config, "n_positions", None) if config.model_type == "gpt2" else None
+        return absolute_positions(self.model.config)
 
 
 def random_config(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,7 +27,11 @@ if TYPE_CHECKING:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one `capt` command; returns the exit status. Errors print one line; `--debug` (or CAPT_DEBUG=1) shows
+    the traceback instead, for bug reports."""
     argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv or os.environ.get("CAPT_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
     try:
         require_train_extra()  # before any recipe module is imported: they need the extra
     except MissingExtraError as err:
@@ -46,13 +51,24 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.set_verbosity_error()  # weight-loading reports would drown the progress output
     try:
         return args.handler(args)
-    except (ValueError, OSError, FloatingPointError) as err:
-        print(f"capt {args.command}: error: {err}", file=sys.stderr)
+    except Exception as err:
+        if debug:
+            raise
+        if isinstance(err, (ValueError, OSError, FloatingPointError)):
+            print(f"capt {args.command}: error: {err}", file=sys.stderr)
+        else:  # a bug, not bad input: one line, and how to get the details
+            print(
+                f"capt {args.command}: internal error: {type(err).__name__}: {err} "
+                "(rerun with --debug or CAPT_DEBUG=1 for the traceback)",
+                file=sys.stderr,
+            )
         return 1
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="capt", description="Capsule Prompt-Tuning on SuperGLUE")
+    parser = argparse.ArgumentParser(
+        prog="capt", description="Capsule Prompt-Tuning on SuperGLUE", epilog="--debug: show tracebacks"
+    )
     commands = parser.add_subparsers(dest="command")
     commands.add_parser("bench", help="training-step and generate cost of every method (see benchmarks/README.md)")
 
@@ -104,7 +120,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_run_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
     """One flag per RunConfig field (defaults None: only flags the user gave override the YAML file)."""
-    from .run import RunConfig
+    from .run import RunConfig, field_kind
 
     parser.add_argument("--config", help="YAML file of RunConfig settings (see configs/)")
     parser.add_argument("--seeds", type=int, default=1, help="train seeds seed..seed+N-1; report mean and std")
@@ -113,32 +129,43 @@ def _add_run_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = (
         if spec.name in exclude:
             continue
         flag = "--" + spec.name.replace("_", "-")
-        kind = _field_type(spec)
+        kind, _ = field_kind(spec.name)
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
         else:
             parser.add_argument(flag, type=kind, default=None)
 
 
-def _field_type(spec: dataclasses.Field) -> type:
-    annotation = str(spec.type)
-    for name, kind in (("bool", bool), ("int", int), ("float", float)):
-        if annotation.startswith(name):
-            return kind
-    return str
+def _read_yaml(path: str) -> dict[str, Any]:
+    """A YAML mapping of settings; syntax errors, tags (never executed) and duplicate keys name the file."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise ValueError(f"{path}, line {key_node.start_mark.line + 1}: duplicate key {key!r}")
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    try:
+        loaded = yaml.load(Path(path).read_text(), Loader=UniqueKeyLoader) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path} is not a valid settings file: {' '.join(str(err).split())}") from err
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path}: expected a mapping of settings, got {type(loaded).__name__}")
+    return loaded
 
 
 def run_config(args: argparse.Namespace, **fixed: Any) -> RunConfig:
     """RunConfig from defaults < YAML (--config) < flags < `fixed`."""
-    import yaml
-
     from .run import RunConfig
 
     settings: dict[str, Any] = {}
     if args.config:
-        loaded = yaml.safe_load(Path(args.config).read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{args.config}: expected a mapping of settings, got {type(loaded).__name__}")
+        loaded = _read_yaml(args.config)
         unknown = sorted(set(loaded) - {f.name for f in dataclasses.fields(RunConfig)})
         if unknown:
             raise ValueError(f"{args.config}: unknown settings {unknown}")
@@ -151,7 +178,10 @@ def run_config(args: argparse.Namespace, **fixed: Any) -> RunConfig:
         }
     )
     settings.update(fixed)
-    return RunConfig(**settings)
+    try:
+        return RunConfig(**settings)
+    except ValueError as err:
+        raise ValueError(f"{args.config}: {err}" if args.config else str(err)) from err
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -273,7 +303,10 @@ def _analyze_attention(args: argparse.Namespace) -> int:
 def _analyze_instance_token(args: argparse.Namespace) -> int:
     from .analysis import InstanceTokenOptions, write_instance_token_report
 
-    ks = [int(k) for k in args.ks.split(",")]
+    try:
+        ks = [int(k) for k in args.ks.split(",")]
+    except ValueError as err:
+        raise ValueError(f"--ks takes comma-separated integers, got {args.ks!r}") from err
     options = InstanceTokenOptions(args.run, args.output_dir, ks=ks, split=args.split, data_dir=args.data_dir)
     print(f"instance-token report: {write_instance_token_report(options)}")
     return 0

@@ -5,8 +5,12 @@ load_splits(config) -> encode_cached(fmt, examples, config) -> evaluate(model, f
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import inspect
 import json
+import warnings
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +18,8 @@ import torch
 from torch import nn
 
 from ..saving import atomic_write
-from .data import Example, paper_splits
+from . import formats
+from .data import Example, paper_splits, templates
 from .formats import TaskFormat
 from .metrics import task_metrics
 from .run import RunConfig
@@ -29,22 +34,35 @@ def load_splits(config: RunConfig) -> dict[str, list[Example]]:
     return {name: examples[: limits[name]] if limits[name] else examples for name, examples in splits.items()}
 
 
+@cache
+def _template_code() -> str:
+    """A hash of the code that turns examples into tokens: any edit to it invalidates the cache."""
+    return hashlib.sha256((inspect.getsource(templates) + inspect.getsource(formats)).encode()).hexdigest()
+
+
 def encode_cached(fmt: TaskFormat, examples: list[Example], config: RunConfig) -> list[dict]:
-    """Tokenise once per (task, split content, tokenizer, family, max length); later runs read the cache."""
+    """Tokenise once per (examples' content, template code, tokenizer, family, max length); later runs read the
+    cache. A cache file that cannot be read (torn by a crash) is rebuilt."""
     key = json.dumps(
         [
             FEATURES_VERSION,
+            _template_code(),
             type(fmt).__name__,
             fmt.task,
             fmt.max_length,
+            getattr(fmt, "generate", None),
             fmt.tokenizer.name_or_path,
             len(fmt.tokenizer),
-            [str(ex.idx) for ex in examples],
-        ]
+            [dataclasses.asdict(ex) for ex in examples],  # every field and label, not only the ids
+        ],
+        default=str,
     )
     path = Path(config.cache_dir) / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt"
     if path.is_file():
-        return torch.load(path)
+        try:
+            return torch.load(path, weights_only=True)
+        except Exception as err:  # torn or foreign: tokenising again is cheap and always right
+            warnings.warn(f"rebuilding the unreadable feature cache {path} ({err})", stacklevel=2)
     features = [fmt.encode(ex) for ex in examples]
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda tmp: torch.save(features, tmp))

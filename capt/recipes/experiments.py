@@ -15,8 +15,8 @@ from typing import Any
 from ..saving import atomic_write_text
 from .bench.time_to_accuracy import best_epoch_and_time
 from .reporting import aggregate_seeds, comparison_table
-from .run import CHECKPOINT_NAME, DEFAULT_LR, RESULTS_NAME, RunConfig
-from .train import train
+from .run import CHECKPOINT_NAME, DEFAULT_LR, RESULTS_NAME, RunConfig, read_results, run_lock
+from .train import pause_point, train
 
 COMPARISON_NAME = "comparison"
 SWEEP_NAME = "sweep"
@@ -30,19 +30,32 @@ def train_seeds(config: RunConfig, seeds: int, overwrite: bool, resume: bool = F
     from it, the others start fresh.
     """
     out = Path(config.output_dir)
+    if seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {seeds}")
+    with run_lock(out):
+        return _train_seeds_locked(config, seeds, overwrite, resume)
+
+
+def _train_seeds_locked(config: RunConfig, seeds: int, overwrite: bool, resume: bool) -> dict[str, Any]:
+    out = Path(config.output_dir)
+    for stale in out.rglob(".*.tmp"):  # left by a writer killed mid-write; we hold the lock, so none is live
+        stale.unlink()
     if (out / RESULTS_NAME).exists():
-        if resume:
-            return json.loads((out / RESULTS_NAME).read_text())
-        if not overwrite:
+        if resume and not (out / CHECKPOINT_NAME).exists():
+            return read_results(out / RESULTS_NAME)
+        if not (overwrite or resume):
             raise FileExistsError(f"{out} already holds {RESULTS_NAME}; pass --overwrite to replace it")
 
     if resume and not any(out.rglob(CHECKPOINT_NAME)):
-        raise FileNotFoundError(f"cannot resume: no {CHECKPOINT_NAME} under {out}")
+        raise FileNotFoundError(
+            f"cannot resume: no {CHECKPOINT_NAME} under {out} (killed before the first checkpoint?); "
+            "start it again with --overwrite"
+        )
 
     def run(seed_config: RunConfig) -> dict[str, Any]:
         seed_out = Path(seed_config.output_dir)
-        if resume and seeds > 1 and (seed_out / RESULTS_NAME).exists():
-            return json.loads((seed_out / RESULTS_NAME).read_text())
+        if resume and seeds > 1 and (seed_out / RESULTS_NAME).exists() and not (seed_out / CHECKPOINT_NAME).exists():
+            return json.loads((seed_out / RESULTS_NAME).read_text())  # a seed's own results
         return train(seed_config, resume=resume and (seed_out / CHECKPOINT_NAME).exists())
 
     if seeds == 1:
@@ -53,6 +66,7 @@ def train_seeds(config: RunConfig, seeds: int, overwrite: bool, resume: bool = F
             for k in range(seeds)
         ]
     summary = aggregate_seeds(runs)
+    pause_point("summary")
     atomic_write_text(out / RESULTS_NAME, json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -77,8 +91,8 @@ def compare(configs: list[RunConfig], seeds: int, overwrite: bool) -> str:
 def _finished_or_trained(config: RunConfig, seeds: int, overwrite: bool) -> dict[str, Any]:
     """The results of config's folder: read back when finished (so an experiment resumes), trained otherwise."""
     done = Path(config.output_dir) / RESULTS_NAME
-    if done.exists() and not overwrite:
-        return json.loads(done.read_text())
+    if done.exists() and not overwrite and not (done.parent / CHECKPOINT_NAME).exists():
+        return read_results(done)
     return train_seeds(config, seeds, overwrite=True)
 
 

@@ -127,6 +127,8 @@ class OptionScoringFormat(TaskFormat):
             self.tokenizer(text, add_special_tokens=self._special_in_targets)["input_ids"] for text in option_texts
         ]
         room = self.max_length - max(len(t) for t in targets) if self._shares_length else self.max_length
+        if room < 1:  # source[-0:] would keep everything: truncation off instead of on
+            raise ValueError(f"max_length {self.max_length} leaves no room for the prompt of example {example.idx}")
         source = self.tokenizer(source_text, add_special_tokens=self._special_in_source)["input_ids"]
         # Truncate from the left: the end of a prompt ("... Answer:") is what the options continue.
         source = source[-room:] if self._shares_length else source[:room]

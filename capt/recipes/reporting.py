@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
 
+from ..saving import atomic_write_text
 from .metrics import superglue_average
 
 LOG_JSONL = "metrics.jsonl"
@@ -41,15 +44,19 @@ class MetricsLog:
         kept = []
         if keep_until_step is not None and (directory / LOG_JSONL).is_file():
             kept = [r for r in read_log(directory) if r["step"] <= keep_until_step]
-        self._jsonl = (directory / LOG_JSONL).open("w")
-        self._csv_file = (directory / LOG_CSV).open("w", newline="")
+        # The kept records are rewritten atomically, then appended to: a full disk cannot lose them.
+        rows = io.StringIO()
+        table = csv.DictWriter(rows, fieldnames=self.COLUMNS, extrasaction="ignore")
+        table.writeheader()
+        table.writerows(kept)
+        atomic_write_text(directory / LOG_CSV, rows.getvalue())
+        atomic_write_text(directory / LOG_JSONL, "".join(_json_line(r) for r in kept))
+        self._jsonl = (directory / LOG_JSONL).open("a")
+        self._csv_file = (directory / LOG_CSV).open("a", newline="")
         self._csv = csv.DictWriter(self._csv_file, fieldnames=self.COLUMNS, extrasaction="ignore")
-        self._csv.writeheader()
-        for record in kept:
-            self.write(record)
 
     def write(self, record: dict[str, Any]) -> None:
-        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.write(_json_line(record))
         self._csv.writerow(record)
         self._jsonl.flush()
         self._csv_file.flush()
@@ -57,6 +64,12 @@ class MetricsLog:
     def close(self) -> None:
         self._jsonl.close()
         self._csv_file.close()
+
+
+def _json_line(record: dict[str, Any]) -> str:
+    # NaN/inf are not JSON: they are logged as null
+    record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+    return json.dumps(record, allow_nan=False) + "\n"
 
 
 def read_log(directory: Path) -> list[dict[str, Any]]:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -95,14 +97,22 @@ class TrainingRecipe:
         config, accelerator = self.config, self.accelerator
         set_seed(config.seed)
         if resume and not self.checkpoint_file.is_file():
-            raise FileNotFoundError(f"cannot resume: no {CHECKPOINT_NAME} in {self.out}")
-        if accelerator.is_main_process:
-            self.out.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.out / RUN_CONFIG_NAME, json.dumps(asdict(config), indent=2) + "\n")
+            raise FileNotFoundError(
+                f"cannot resume: no {CHECKPOINT_NAME} in {self.out} (killed before the first checkpoint?); "
+                "start it again with --overwrite"
+            )
+        if resume:
+            check_resumable(config, self.out)
         self.splits = load_splits(config)  # first: a data error stops the run before the model loads
         self._setup_model()
         self._setup_data()
         self._setup_optimizer()
+        if accelerator.is_main_process:
+            # Only now, with data and model loaded, does a re-run replace the folder's files: a bad re-run
+            # leaves a finished run as it was.
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / RESULTS_NAME).unlink(missing_ok=True)
+            atomic_write_text(self.out / RUN_CONFIG_NAME, json.dumps(asdict(config), indent=2) + "\n")
         self.model, self.optimizer = accelerator.prepare(self.model, self.optimizer)
         if resume:
             self._load_checkpoint()
@@ -187,8 +197,15 @@ class TrainingRecipe:
                 {"kind": "epoch", "epoch": epoch, "step": progress.step, "elapsed_s": progress.elapsed_s, **scores}
             )
         if validation["score"] > progress.best_score:
+            state = trainable_state(model)
+            broken = [name for name, tensor in state.items() if not torch.isfinite(tensor).all()]
+            if broken:  # never keep NaN/inf weights as the best ones
+                raise FloatingPointError(
+                    f"weights {broken[:3]} became NaN or inf by epoch {epoch}; they are not saved and the last good "
+                    "checkpoint is kept: lower --lr"
+                )
             progress.best_score, progress.best_epoch = validation["score"], epoch
-            self.best_state = trainable_state(model)
+            self.best_state = state
         elif epoch - progress.best_epoch >= self.config.patience:
             self.accelerator.print(f"early stop: no better validation score for {self.config.patience} epochs")
             progress.stopped = True
@@ -218,7 +235,7 @@ class TrainingRecipe:
                 "scheduler": self.scheduler.state_dict(),
                 "torch_rng": torch.get_rng_state(),
             }
-            atomic_write(self.checkpoint_file, lambda tmp: torch.save(state, tmp))
+            atomic_write(self.checkpoint_file, lambda tmp: (torch.save(state, tmp), pause_point("checkpoint")))
         self.accelerator.wait_for_everyone()
 
     def _load_checkpoint(self) -> None:
@@ -262,13 +279,52 @@ class TrainingRecipe:
         if self.accelerator.is_main_process:
             best = {k: v.contiguous() for k, v in self.best_state.items()}
             atomic_write(self.out / TRAINABLE_NAME, lambda tmp: save_file(best, tmp))
+            pause_point("trainable")
             if isinstance(model, CaptModel):
                 model.save_pretrained(self.out / ADAPTER_DIR)
+                pause_point("adapter")
             atomic_write_text(self.out / RESULTS_NAME, json.dumps(results, indent=2) + "\n")
+            pause_point("results")
             self.checkpoint_file.unlink(missing_ok=True)  # the run is complete: nothing left to resume
             self.log.close()
             plot_learning_curves(self.out)
         return results
+
+
+# Settings a resumed run may change: where files live, how often it checkpoints, and --epochs (to extend a run;
+# the linear decay is then recomputed for the new total, so the result differs from a run planned that long).
+RESUME_MAY_CHANGE = {"output_dir", "data_dir", "cache_dir", "checkpoint_every", "eval_batch_size", "epochs"}
+
+
+def check_resumable(config: RunConfig, out: Path) -> None:
+    """Refuse to resume a run whose settings differ from those in its run_config.json, naming the differences."""
+    try:
+        saved = json.loads((out / RUN_CONFIG_NAME).read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot resume {out}: its {RUN_CONFIG_NAME} is missing or damaged ({err})") from err
+    current = asdict(config)
+    differing = [
+        f"{key} {saved.get(key)!r} -> {value!r}"
+        for key, value in current.items()
+        if key not in RESUME_MAY_CHANGE and saved.get(key) != value
+    ]
+    if differing:
+        raise ValueError(
+            f"cannot resume {out} with other settings: {'; '.join(differing)}. Resume with the original settings, "
+            "or start again with --overwrite"
+        )
+
+
+_PAUSES: dict[str, int] = {}
+
+
+def pause_point(name: str) -> None:
+    """Test hook of the fault-injection tests: with CAPT_PAUSE_AT=<name>@<n>, the n-th time the run gets here it
+    says so on stdout and waits to be killed."""
+    _PAUSES[name] = _PAUSES.get(name, 0) + 1
+    if os.environ.get("CAPT_PAUSE_AT") == f"{name}@{_PAUSES[name]}":
+        print(f"CAPT_PAUSED {name}", flush=True, file=sys.stdout)
+        time.sleep(600)
 
 
 def epoch_batches(lengths: list[int], config: RunConfig, epoch: int, processes: int) -> list[list[int]]:

@@ -40,6 +40,9 @@ BY_LAYER_METRICS = {
 }
 
 
+MAX_INSTANCE_TOKENS = 64  # each one is a token per layer in front of the prompts: more is no longer an analysis
+
+
 @dataclass
 class AttentionOptions:
     """`capt analyze attention`: runs to analyse (their base model comes along), or a bare `model`."""
@@ -55,6 +58,13 @@ class AttentionOptions:
     max_tokens: int = 48
     data_dir: str | None = None
 
+    def __post_init__(self) -> None:
+        for name, low in (("examples", 1), ("max_tokens", 1), ("seed", 0)):
+            if getattr(self, name) < low:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
+        if self.max_length is not None and self.max_length < 8:
+            raise ValueError(f"--max-length must be >= 8, got {self.max_length}")
+
     def command(self) -> str:
         return _command("capt analyze attention", self, repeated={"runs": "--run"})
 
@@ -68,6 +78,11 @@ class InstanceTokenOptions:
     ks: list[int] = field(default_factory=lambda: [0, 1, 2, 4])
     split: str = "test"
     data_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        bad = [k for k in self.ks if not 0 <= k <= MAX_INSTANCE_TOKENS]
+        if bad or not self.ks:
+            raise ValueError(f"--ks takes numbers of instance tokens from 0 to {MAX_INSTANCE_TOKENS}, got {self.ks}")
 
     def command(self) -> str:
         return _command("capt analyze instance-token", self, joined={"ks"})

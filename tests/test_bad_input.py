@@ -1,0 +1,319 @@
+"""Hostile input: every bad value is refused in one line naming the flag, YAML key or file; nothing is silent."""
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from capt.recipes.cli import main
+from capt.recipes.run import RunConfig, read_run_config, run_lock
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "superglue"
+TINY = ["--model", "tiny-llama", "--task", "cb", "--data-dir", str(DATA), "--limit-train", "16", "--limit-eval", "16"]
+
+
+@pytest.fixture(autouse=True)
+def feature_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "cb"
+    cache = tmp_path_factory.mktemp("cache")
+    assert main(["train", *TINY, "--epochs", "1", "--output-dir", str(out), "--cache-dir", str(cache)]) == 0
+    return out
+
+
+def _error(capsys, argv: list[str]) -> str:
+    assert main(argv) != 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--seeds", "0"], "--seeds must be >= 1, got 0"),
+        (["--seeds", "-2"], "--seeds must be >= 1, got -2"),
+        (["--lr", "-1"], "--lr (YAML key lr): lr must be >= 0.0, got -1.0"),
+        (["--lr", "nan"], "--lr (YAML key lr): got nan; expected a finite number"),
+        (["--lr", "inf"], "--lr (YAML key lr): got inf; expected a finite number"),
+        (["--head-lr", "0"], "head_lr must be > 0.0"),
+        (["--limit-train", "0"], "limit_train must be >= 1, got 0"),
+        (["--limit-train", "-5"], "limit_train must be >= 1, got -5"),
+        (["--limit-eval", "0"], "limit_eval must be >= 1, got 0"),
+        (["--max-length", "1"], "max_length must be >= 8, got 1"),
+        (["--patience", "-1"], "patience must be >= 1, got -1"),
+        (["--warmup-ratio", "5"], "warmup_ratio must be in [0.0, 1.0], got 5.0"),
+        (["--weight-decay", "-0.1"], "weight_decay must be >= 0.0"),
+        (["--seed", "-1"], "seed must be in [0, 4294967295], got -1"),
+        (["--checkpoint-every", "-1"], "checkpoint_every must be >= 0"),
+        (["--deep-prompt-slots", "0"], "deep_prompt_slots must be >= 1"),
+        (["--lora-rank", "0"], "lora_rank must be >= 1"),
+        (["--method", "lora", "--variant", "extract"], "'extract' applies to --method capt only, not 'lora'"),
+        (["--task", "squad"], "unknown task 'squad'"),
+        (["--model", ""], "--model (YAML key model): must not be empty"),
+    ],
+)
+def test_a_bad_flag_is_refused_naming_it(flags, message, tmp_path, capsys):
+    err = _error(capsys, ["train", *TINY, *flags, "--output-dir", str(tmp_path / "out")])
+    assert message in err
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "message"),
+    [
+        ('epochs: "ten"\n', "--epochs (YAML key epochs): got 'ten'; expected an integer"),
+        ("epochs: 1.5\n", "--epochs (YAML key epochs): got 1.5; expected an integer"),
+        ('bf16: "no"\n', "--bf16 (YAML key bf16): got 'no'; expected true or false"),
+        ("epochs: 2\nepochs: 3\n", "line 2: duplicate key 'epochs'"),
+        ('x: !!python/object/apply:os.system ["echo pwned"]\n', "is not a valid settings file"),
+        ("lr: [1e-3\n", "is not a valid settings file"),
+        ("- 1\n- 2\n", "expected a mapping of settings, got list"),
+        ("learning_rate: 0.1\n", "unknown settings ['learning_rate']"),
+    ],
+)
+def test_a_bad_yaml_file_is_refused_naming_file_and_key(yaml_text, message, tmp_path, capsys):
+    config = tmp_path / "bad.yaml"
+    config.write_text(yaml_text)
+    err = _error(capsys, ["train", "--config", str(config), "--output-dir", str(tmp_path / "out")])
+    assert str(config) in err and message in err
+
+
+def test_yaml_exponent_numbers_are_floats(tmp_path):
+    from capt.recipes.cli import _parser, run_config
+
+    config = tmp_path / "lr.yaml"
+    config.write_text("lr: 1e-3\nhead_lr: 5E-4\nwarmup_ratio: 0\n")  # PyYAML reads 1e-3 as the string '1e-3'
+    settings = run_config(_parser().parse_args(["train", "--config", str(config)]))
+    assert (settings.lr, settings.head_lr, settings.warmup_ratio) == (1e-3, 5e-4, 0.0)
+    assert isinstance(settings.warmup_ratio, float)
+
+
+def test_debug_shows_the_traceback(monkeypatch):
+    with pytest.raises(ValueError, match="expected a finite number"):
+        main(["train", "--lr", "nan", "--debug"])
+    monkeypatch.setenv("CAPT_DEBUG", "1")
+    with pytest.raises(ValueError, match="expected a finite number"):
+        main(["train", "--lr", "nan"])
+
+
+def test_every_flag_has_the_type_of_its_field():
+    from capt.recipes.cli import _parser
+
+    args = _parser().parse_args(["train", "--limit-train", "3", "--lr", "0.5", "--bf16", "--data-dir", "d"])
+    assert (args.limit_train, args.lr, args.bf16, args.data_dir) == (3, 0.5, True, "d")
+
+
+def test_a_run_config_from_a_newer_version_is_read_with_a_warning(tmp_path):
+    settings = {**dataclasses.asdict(RunConfig()), "new_feature": 3}
+    (tmp_path / "run_config.json").write_text(json.dumps(settings))
+    with pytest.warns(UserWarning, match=r"ignoring settings this version does not know: \['new_feature'\]"):
+        assert read_run_config(tmp_path) == RunConfig()
+
+
+def test_a_damaged_run_config_names_the_file(tmp_path):
+    (tmp_path / "run_config.json").write_text('{"epochs": 0}')
+    with pytest.raises(ValueError, match="run_config.json: --epochs"):
+        read_run_config(tmp_path)
+    (tmp_path / "run_config.json").write_text('{"epochs": ')
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        read_run_config(tmp_path)
+
+
+def test_a_truncated_weights_file_is_a_clear_error_for_eval_and_analyze(finished_run, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "torn"
+    shutil.copytree(finished_run, run)
+    weights = run / "trainable.safetensors"
+    weights.write_bytes(weights.read_bytes()[:50])
+    assert "trainable.safetensors is truncated or corrupt" in _error(capsys, ["eval", "--adapter", str(run)])
+    argv = ["analyze", "attention", "--run", str(run), "--examples", "2", "--output-dir", str(tmp_path / "r")]
+    assert "trainable.safetensors is truncated or corrupt" in _error(capsys, argv)
+
+
+def test_nan_weights_in_a_run_folder_are_refused(finished_run, tmp_path, capsys):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    run = tmp_path / "nan"
+    shutil.copytree(finished_run, run)
+    state = {k: torch.full_like(v, math.nan) for k, v in load_file(run / "trainable.safetensors").items()}
+    save_file(state, run / "trainable.safetensors")
+    assert "holds NaN or inf weights" in _error(capsys, ["eval", "--adapter", str(run)])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["attention", "--examples", "0"], "--examples must be >= 1, got 0"),
+        (["attention", "--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+        (["attention", "--max-length", "2"], "--max-length must be >= 8, got 2"),
+        (["instance-token", "--ks", "-1"], "from 0 to 64, got [-1]"),
+        (["instance-token", "--ks", "100000"], "from 0 to 64, got [100000]"),
+        (["instance-token", "--ks", "1,x"], "--ks takes comma-separated integers"),
+    ],
+)
+def test_bad_analysis_options_are_refused(argv, message, finished_run, tmp_path, capsys):
+    err = _error(capsys, ["analyze", *argv, "--run", str(finished_run), "--output-dir", str(tmp_path / "r")])
+    assert message in err
+
+
+def test_a_second_writer_is_refused_naming_the_holder(tmp_path, capsys):
+    import os
+
+    out = tmp_path / "busy"
+    with run_lock(out):
+        err = _error(capsys, ["train", *TINY, "--output-dir", str(out)])
+    assert f"{out} is in use by pid {os.getpid()} on" in err
+    with run_lock(out):  # released: the next writer gets it
+        pass
+
+
+def test_resume_with_other_settings_is_refused_naming_them(finished_run, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "resumed"
+    shutil.copytree(finished_run, run)
+    torch.save({}, run / "checkpoint.pt")  # an interrupted run
+    argv = ["train", *TINY, "--epochs", "1", "--output-dir", str(run), "--resume"]
+    err = _error(capsys, [*argv, "--lr", "0.5", "--batch-size", "4"])
+    assert "cannot resume" in err and "lr 0.01 -> 0.5" in err and "batch_size 16 -> 4" in err
+    assert "model 'tiny-llama' -> 'tiny-gpt2'" in _error(capsys, [*argv, "--model", "tiny-gpt2"])
+
+
+def test_overwrite_with_bad_data_leaves_the_finished_run_intact(finished_run, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "kept"
+    shutil.copytree(finished_run, run)
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    (tmp_path / "data" / "CB").mkdir(parents=True)
+    argv = ["train", *TINY, "--epochs", "1", "--output-dir", str(run), "--overwrite"]
+    _error(capsys, [*argv, "--data-dir", str(tmp_path / "data")])
+    _error(capsys, [*argv, "--model", "no/such-model-here"])
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != ".capt.lock"} == {
+        k: v for k, v in before.items() if k != ".capt.lock"
+    }
+    assert main(["eval", "--adapter", str(run)]) == 0
+
+
+def _cb_examples():
+    from capt.recipes.data import paper_splits
+
+    return paper_splits("cb", str(DATA))["test"][:4]
+
+
+def _llama_format(max_length: int = 64):
+    from capt.recipes.backbones import load_backbone
+    from capt.recipes.formats import make_format
+
+    backbone = load_backbone("tiny-llama", num_labels=3)
+    return make_format(backbone.family, "cb", backbone.tokenizer, max_length)
+
+
+def test_the_feature_cache_follows_the_text_not_only_the_ids(tmp_path):
+    from capt.recipes.evaluate import encode_cached
+
+    config, fmt, examples = RunConfig(cache_dir=str(tmp_path)), _llama_format(), _cb_examples()
+    first = encode_cached(fmt, examples, config)
+    rewritten = [dataclasses.replace(ex, fields={**ex.fields, "premise": "A new premise."}) for ex in examples]
+    again = encode_cached(fmt, rewritten, config)
+    assert again == [fmt.encode(ex) for ex in rewritten] != first
+    relabelled = [dataclasses.replace(ex, label=(ex.label + 1) % 3) for ex in examples]
+    assert [f["label"] for f in encode_cached(fmt, relabelled, config)] == [ex.label for ex in relabelled]
+
+
+def test_a_torn_feature_cache_file_is_rebuilt(tmp_path):
+    from capt.recipes.evaluate import encode_cached
+
+    config, fmt, examples = RunConfig(cache_dir=str(tmp_path)), _llama_format(), _cb_examples()
+    expected = encode_cached(fmt, examples, config)
+    (cached,) = tmp_path.glob("*.pt")
+    cached.write_bytes(cached.read_bytes()[:100])
+    with pytest.warns(UserWarning, match="rebuilding the unreadable feature cache"):
+        assert encode_cached(fmt, examples, config) == expected
+    assert torch.load(cached, weights_only=True) == expected
+
+
+def test_a_tiny_max_length_truncates_or_says_there_is_no_room():
+    example = _cb_examples()[0]
+    features = _llama_format(max_length=8).encode(example)
+    assert max(len(row["input_ids"]) for row in features["rows"]) <= 8
+    with pytest.raises(ValueError, match="max_length 1 leaves no room for the prompt"):
+        _llama_format(max_length=1).encode(example)
+
+
+def test_max_length_reserves_the_slots_of_an_absolute_position_table():
+    from capt.recipes.run import build_model
+
+    _, fmt = build_model(RunConfig(model="minilm", task="cb", max_length=512))
+    assert fmt.max_length == 511  # 512 positions, one for the capsule slot
+    _, fmt = build_model(RunConfig(model="minilm", task="cb", method="prompt", max_length=512, virtual_tokens=20))
+    assert fmt.max_length == 492
+    with pytest.raises(ValueError, match="--max-length 100000 is beyond the 512 positions of minilm"):
+        build_model(RunConfig(model="minilm", task="cb", max_length=100000))
+
+
+def test_an_input_as_long_as_the_position_table_is_a_clear_error_under_capt():
+    import capt
+    from tests.conftest import tiny_bert_classifier
+
+    model = capt.get_capt_model(tiny_bert_classifier(), capt.CaptConfig())  # 64 positions
+    model(input_ids=torch.ones(1, 63, dtype=torch.long))  # 63 tokens + the slot fit
+    with pytest.raises(ValueError, match="truncate inputs to 63 tokens"):
+        model(input_ids=torch.ones(1, 64, dtype=torch.long))
+
+
+def test_an_all_nan_adapter_is_refused():
+    import capt
+    from tests.conftest import tiny_bert_model
+
+    model = capt.get_capt_model(tiny_bert_model(), capt.CaptConfig())
+    state = {k: torch.full_like(v, math.nan) for k, v in model.adapter_state_dict().items()}
+    with pytest.raises(ValueError, match="holds NaN or inf values"):
+        model.load_adapter_state_dict(state)
+
+
+def test_the_metrics_log_stays_valid_json_with_nan(tmp_path):
+    from capt.recipes.reporting import MetricsLog, read_log
+
+    log = MetricsLog(tmp_path)
+    log.write({"kind": "step", "epoch": 1, "step": 1, "loss": math.nan, "lr": math.inf})
+    log.close()
+    assert read_log(tmp_path) == [{"kind": "step", "epoch": 1, "step": 1, "loss": None, "lr": None}]
+
+
+def test_weights_that_became_nan_are_never_saved_as_best(tmp_path, monkeypatch):
+    from capt.recipes import train as recipe
+
+    real_validate = recipe.TrainingRecipe._validate
+
+    def poisoned(self, epoch):  # the last update of the epoch blew the weights up
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    p.fill_(math.nan)
+        real_validate(self, epoch)
+
+    monkeypatch.setattr(recipe.TrainingRecipe, "_validate", poisoned)
+    config = RunConfig(
+        model="tiny-llama",
+        task="cb",
+        limit_train=8,
+        limit_eval=8,
+        epochs=1,
+        data_dir=str(DATA),
+        output_dir=str(tmp_path),
+    )
+    with pytest.raises(FloatingPointError, match="became NaN or inf by epoch 1"):
+        recipe.train(config)
+    assert not (tmp_path / "trainable.safetensors").exists()

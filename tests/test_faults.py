@@ -1,0 +1,115 @@
+"""Fault injection: `capt train` killed with SIGKILL at every kind of write, and a disk that fills up.
+
+After each, `--resume` (or, where nothing resumable was left, the printed advice: `--overwrite`) ends with the
+scores and weights of an uninterrupted run. The pauses come from `capt.recipes.train.pause_point`
+(CAPT_PAUSE_AT=<point>@<n>), so each kill lands at an exact place.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "superglue"
+ARGS = ["train", "--model", "tiny-llama", "--task", "cb", "--data-dir", str(DATA), "--limit-train", "16"]
+ARGS += ["--limit-eval", "16", "--epochs", "2", "--batch-size", "4", "--checkpoint-every", "2", "--lr", "0.05"]
+
+
+def _capt(tmp_path: Path, out: Path, *extra: str, pause: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HOME": str(tmp_path), "CAPT_PAUSE_AT": pause or ""}
+    command = [sys.executable, "-m", "capt.recipes.cli", *ARGS, "--output-dir", str(out), *extra]
+    if pause is None:
+        return subprocess.run(command, env=env, capture_output=True, text=True)
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    for line in process.stdout:
+        if line.startswith("CAPT_PAUSED"):
+            process.send_signal(signal.SIGKILL)
+            break
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, f"the run ended before it reached {pause}"
+    return subprocess.CompletedProcess(command, process.returncode)
+
+
+def _same_run(got: Path, expected: Path) -> None:
+    summary = json.loads((got / "results.json").read_text())
+    reference = json.loads((expected / "results.json").read_text())
+    assert summary["test"] == reference["test"]
+    assert summary["runs"][0]["best_epoch"] == reference["runs"][0]["best_epoch"]
+    for name, tensor in load_file(expected / "trainable.safetensors").items():
+        assert torch.equal(load_file(got / "trainable.safetensors")[name], tensor), name
+    assert not (got / "checkpoint.pt").exists()
+    assert not list(got.glob(".*.tmp"))  # no torn temporary file is left behind
+    steps = [json.loads(line) for line in (got / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps if r["kind"] == "step"] == list(range(1, 9))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reference")
+    done = _capt(tmp, tmp / "run")
+    assert done.returncode == 0, done.stderr
+    return tmp / "run"
+
+
+@pytest.mark.parametrize(
+    "pause",
+    [
+        "checkpoint@3",  # inside the atomic write of the epoch-1 checkpoint (after two mid-epoch ones)
+        "checkpoint@6",  # inside the last checkpoint's write
+        "trainable@1",  # best weights written, adapter not yet
+        "adapter@1",  # adapter written, results.json not yet
+        "results@1",  # results.json written, the checkpoint not yet removed
+        "summary@1",  # the seed's results written, the summary over seeds not yet
+    ],
+)
+def test_a_kill_anywhere_resumes_to_the_uninterrupted_result(pause, reference, tmp_path):
+    out = tmp_path / "run"
+    _capt(tmp_path, out, pause=pause)
+    resumed = _capt(tmp_path, out, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    _same_run(out, reference)
+
+
+def test_a_kill_before_the_first_checkpoint_says_to_start_again(reference, tmp_path):
+    out = tmp_path / "run"
+    _capt(tmp_path, out, pause="checkpoint@1")
+    resumed = _capt(tmp_path, out, "--resume")
+    assert resumed.returncode == 1 and "Traceback" not in resumed.stderr
+    assert "no checkpoint.pt" in resumed.stderr and "--overwrite" in resumed.stderr
+    again = _capt(tmp_path, out, "--overwrite")
+    assert again.returncode == 0, again.stderr
+    _same_run(out, reference)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or sys.platform != "linux", reason="mounting a tmpfs needs root on Linux")
+def test_a_full_disk_is_one_clear_line_and_keeps_the_checkpoint(reference, tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], check=True)
+    try:
+        out = disk / "run"
+        _capt(tmp_path, out, pause="trainable@1")
+        checkpoint = (out / "checkpoint.pt").read_bytes()
+        filler = disk / "filler"
+        with filler.open("wb", buffering=0) as handle:  # fill the disk to the last byte
+            try:
+                while True:
+                    handle.write(b"\0" * 4096)
+            except OSError:
+                pass
+        full = _capt(tmp_path, out, "--resume")
+        assert full.returncode == 1 and "Traceback" not in full.stderr, full.stderr
+        assert "No space left on device" in full.stderr or "disk full?" in full.stderr
+        assert (out / "checkpoint.pt").read_bytes() == checkpoint  # the previous files are intact
+        filler.unlink()
+        resumed = _capt(tmp_path, out, "--resume")
+        assert resumed.returncode == 0, resumed.stderr
+        _same_run(out, reference)
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
