@@ -42,8 +42,13 @@ class TaskFormat:
     def loss(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         raise NotImplementedError
 
-    def predict(self, model: nn.Module, batch: dict[str, Any]) -> list[int]:
+    def scores(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        """(examples, options) scores of every option of every example; missing options are -inf."""
         raise NotImplementedError
+
+    def predict(self, model: nn.Module, batch: dict[str, Any]) -> list[int]:
+        """The best option's index per example."""
+        return self.scores(model, batch).argmax(-1).tolist()
 
     def collate(self, features: list[Features]) -> dict[str, Any]:
         raise NotImplementedError
@@ -82,17 +87,14 @@ class EncoderFormat(TaskFormat):
             "labels": torch.tensor([f["label"] if f["label"] is not None else -100 for f in features]),
         }
 
-    def _scores(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    def scores(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         logits = model(**batch["model_inputs"]).logits
         if not is_choice_task(self.task):
             return logits
         return _per_example(logits.squeeze(-1), batch["options"])
 
     def loss(self, model, batch):
-        return F.cross_entropy(self._scores(model, batch), batch["labels"])
-
-    def predict(self, model, batch):
-        return self._scores(model, batch).argmax(-1).tolist()
+        return F.cross_entropy(self.scores(model, batch), batch["labels"])
 
 
 @dataclass
@@ -141,11 +143,11 @@ class OptionScoringFormat(TaskFormat):
     def loss(self, model, batch):
         return model(**batch["train_inputs"]).loss
 
-    def predict(self, model, batch):
+    def scores(self, model, batch):
         inputs = batch["score_inputs"]
         logits = model(**inputs).logits
         logprobs = target_logprobs(logits, inputs["labels"], shifted=self._shifted)
-        return _per_example(logprobs, batch["options"]).argmax(-1).tolist()
+        return _per_example(logprobs, batch["options"])
 
 
 @dataclass
