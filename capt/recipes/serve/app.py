@@ -186,6 +186,8 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody):
+        if engine.family != "decoder":
+            raise HTTPError(400, f"completions need a decoder-only backbone; this one is {engine.family}")
         if body.model != BASE_MODEL and body.model not in engine.adapters:
             raise HTTPError(404, f"model {body.model!r} is neither {BASE_MODEL!r} nor a loaded adapter", "not_found")
         if body.max_tokens > limits.max_tokens:
