@@ -113,6 +113,7 @@ def _parser() -> argparse.ArgumentParser:
     predict.add_argument("--input", required=True, help="jsonl: official SuperGLUE records, each with a 'task' field")
     predict.add_argument("--output", required=True, help="jsonl of predictions, one per example, in input order")
     predict.set_defaults(handler=_predict)
+    _add_serve_parser(commands)
 
     _add_analyze_parser(commands)
     return parser
@@ -220,12 +221,60 @@ def _eval(args: argparse.Namespace) -> int:
 def _predict(args: argparse.Namespace) -> int:
     from .predict import predict_file
 
-    pairs = [item.split("=", 1) for item in args.adapters.split(",")]
-    if any(len(pair) != 2 for pair in pairs):
-        raise ValueError(f"--adapters takes task=RUN_DIR pairs separated by commas, got {args.adapters!r}")
-    count = predict_file({task: Path(run) for task, run in pairs}, Path(args.input), Path(args.output))
+    count = predict_file(_name_pairs(args.adapters, "--adapters"), Path(args.input), Path(args.output))
     print(f"{count} predictions written to {args.output}")
     return 0
+
+
+def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser("serve", help="HTTP service: one backbone, many CaPT adapters, mixed-task batches")
+    serve.add_argument("--model", required=True, help="the backbone the adapters were trained on (e.g. tiny-llama)")
+    serve.add_argument("--adapters", required=True, help="name=FOLDER pairs (run or adapter folders), comma-separated")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (default: $CAPT_API_KEY)")
+    serve.add_argument("--batch-window-ms", type=float, default=5.0, help="how long a batch waits for more requests")
+    serve.add_argument("--max-batch", type=int, default=16, help="requests per model batch")
+    serve.add_argument("--queue-size", type=int, default=64, help="waiting requests before 429")
+    serve.add_argument("--max-prompt-tokens", type=int, default=1024)
+    serve.add_argument("--max-tokens", type=int, default=256, help="largest max_tokens a request may ask")
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    serve.add_argument("--timeout", type=float, default=60.0, help="seconds before a request gets 504")
+    serve.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    from ..import_utils import missing_modules
+
+    missing = missing_modules("fastapi", "uvicorn", "prometheus_client")
+    if missing:
+        raise ValueError(
+            f'capt serve needs the [serve] extra ({", ".join(missing)} missing): pip install "capt[serve]"'
+        )
+    from .serve import Limits, serve
+
+    limits = Limits(
+        max_body_bytes=args.max_body_bytes,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_tokens=args.max_tokens,
+        queue_size=args.queue_size,
+        timeout_s=args.timeout,
+        batch_window_s=args.batch_window_ms / 1000,
+        max_batch=args.max_batch,
+    )
+    api_key = args.api_key or os.environ.get("CAPT_API_KEY") or None
+    serve(args.model, _name_pairs(args.adapters, "--adapters"), args.host, args.port, api_key, limits)
+    return 0
+
+
+def _name_pairs(text: str, flag: str) -> dict[str, Path]:
+    """`a=x,b=y` -> {"a": Path("x"), "b": Path("y")}."""
+    pairs = [item.split("=", 1) for item in text.split(",")]
+    if any(len(pair) != 2 or not all(pair) for pair in pairs):
+        raise ValueError(f"{flag} takes name=FOLDER pairs separated by commas, got {text!r}")
+    return {name: Path(folder) for name, folder in pairs}
 
 
 def _compare(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ Every task is scored as a choice among options whose index is the label id:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -43,8 +44,13 @@ class TaskFormat:
     def loss(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         raise NotImplementedError
 
-    def predict(self, model: nn.Module, batch: dict[str, Any]) -> list[int]:
+    def scores(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        """(examples, options) scores of every option of every example; missing options are -inf."""
         raise NotImplementedError
+
+    def predict(self, model: nn.Module, batch: dict[str, Any]) -> list[int]:
+        """The best option's index per example."""
+        return self.scores(model, batch).argmax(-1).tolist()
 
     def collate(self, features: list[Features]) -> dict[str, Any]:
         raise NotImplementedError
@@ -98,17 +104,14 @@ class EncoderFormat(TaskFormat):
             "labels": torch.tensor([f["label"] if f["label"] is not None else -100 for f in features]),
         }
 
-    def _scores(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    def scores(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         logits = model(**batch["model_inputs"]).logits
         if not is_choice_task(self.task):
             return logits
         return _per_example(logits.squeeze(-1), batch["options"])
 
     def loss(self, model, batch):
-        return F.cross_entropy(self._scores(model, batch), batch["labels"])
-
-    def predict(self, model, batch):
-        return self._scores(model, batch).argmax(-1).tolist()
+        return F.cross_entropy(self.scores(model, batch), batch["labels"])
 
 
 @dataclass
@@ -163,8 +166,8 @@ class OptionScoringFormat(TaskFormat):
         """Summed log-probability of each row's target tokens, (R,)."""
         return target_logprobs(model(**inputs).logits, inputs["labels"], shifted=self._shifted)
 
-    def predict(self, model, batch):
-        return _per_example(self.row_scores(model, batch["score_inputs"]), batch["options"]).argmax(-1).tolist()
+    def scores(self, model, batch):
+        return _per_example(self.row_scores(model, batch["score_inputs"]), batch["options"])
 
 
 @dataclass
@@ -243,9 +246,12 @@ class CausalLMFormat(OptionScoringFormat):
         return target_logprobs(logits, labels, shifted=True)
 
 
-def has_capsules(model: nn.Module) -> bool:
-    """Whether capsule hooks sit on `model` (CaptModel, the bank, or CaPT through PEFT): it takes `instance_mask`."""
-    return any(getattr(m, "_capt_attached", False) for m in model.modules())
+def has_capsules(model: nn.Module | partial) -> bool:
+    """Whether capsule hooks sit on `model` (CaptModel, the bank, or CaPT through PEFT): it takes `instance_mask`.
+
+    `model` may be a `functools.partial` of one (a bank called with its per-row `adapter_names`)."""
+    module = model.func if isinstance(model, partial) else model
+    return any(getattr(m, "_capt_attached", False) for m in module.modules())
 
 
 FORMATS = {"encoder": EncoderFormat, "encoder-decoder": T5Format, "decoder": CausalLMFormat}
