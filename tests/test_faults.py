@@ -57,15 +57,16 @@ def reference(tmp_path_factory):
     return tmp / "run"
 
 
+# Two kill points run in the default suite; the other four (a minute each) with `pytest -m slow tests/test_faults.py`.
 @pytest.mark.parametrize(
     "pause",
     [
         "checkpoint@3",  # inside the atomic write of the epoch-1 checkpoint (after two mid-epoch ones)
-        "checkpoint@6",  # inside the last checkpoint's write
-        "trainable@1",  # best weights written, adapter not yet
-        "adapter@1",  # adapter written, results.json not yet
+        pytest.param("checkpoint@6", marks=pytest.mark.slow),  # inside the last checkpoint's write
+        pytest.param("trainable@1", marks=pytest.mark.slow),  # best weights written, adapter not yet
+        pytest.param("adapter@1", marks=pytest.mark.slow),  # adapter written, results.json not yet
         "results@1",  # results.json written, the checkpoint not yet removed
-        "summary@1",  # the seed's results written, the summary over seeds not yet
+        pytest.param("summary@1", marks=pytest.mark.slow),  # the seed's results written, the summary over seeds not yet
     ],
 )
 def test_a_kill_anywhere_resumes_to_the_uninterrupted_result(pause, reference, tmp_path):
