@@ -68,12 +68,12 @@ class LoPAOptions:
 
 @dataclass(frozen=True)
 class IDPGOptions:
-    """IDPG / M-IDPG (Wu et al., NAACL 2022): a bottleneck generator d -> `bottleneck` (ReLU) -> length x d maps the
+    """IDPG / M-IDPG (Wu et al., NAACL 2022): a bottleneck generator d -> `bottleneck` (16; ReLU) -> length x d maps the
     sentence representation (masked mean of the input embeddings) to the prompt, at the input layer (IDPG) or with
     one output projection per layer (M-IDPG, `every_layer=True`)."""
 
     length: int = 5
-    bottleneck: int = 256
+    bottleneck: int = 16  # the authors' scripts: --phm-bottleneck-dim 16 for both generators
     every_layer: bool = False
 
     def __post_init__(self) -> None:
