@@ -42,9 +42,12 @@ def _reference_prompt(module, method: str, embeds: torch.Tensor, mask: torch.Ten
     if method == "dept":
         return module.prompt.expand(len(embeds), -1, -1)
     if method == "lopa":
-        f = torch.tanh(pooled @ module.encoder.weight.T + module.encoder.bias)
-        u = (f @ module.u.weight.T + module.u.bias).view(-1, o.length, o.rank)
-        v = (f @ module.v.weight.T + module.v.bias).view(-1, o.rank, embeds.shape[-1])
+
+        def head(h):  # d -> width (tanh) -> out, one per factor
+            return torch.tanh(pooled @ h[0].weight.T + h[0].bias) @ h[2].weight.T + h[2].bias
+
+        u = head(module.u).view(-1, o.length, o.rank)
+        v = head(module.v).view(-1, o.rank, embeds.shape[-1])
         return module.shared * torch.sigmoid(torch.einsum("bmr,brd->bmd", u, v))
     if method in ("idpg", "m-idpg"):
         h = torch.relu(pooled @ module.down.weight.T + module.down.bias)

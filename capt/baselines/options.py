@@ -46,11 +46,12 @@ class DePTOptions:
 @dataclass(frozen=True)
 class LoPAOptions:
     """LoPA (Jain et al., 2024): Z = Z_S * sigmoid(u(x) v(x)), Z_S a task-shared (length x d) prompt, u (length x
-    rank) and v (rank x d) computed from the pooled input by an encoder d -> `encoder_hidden` (tanh)."""
+    rank) and v (rank x d) computed from the pooled input by two separate heads d -> `encoder_hidden` (tanh) -> out;
+    width 256 as in the authors' NLU parameter counts (docs/baselines-provenance.md)."""
 
     length: int = 10
     rank: int = 1
-    encoder_hidden: int = 64
+    encoder_hidden: int = 256
     every_layer = False
 
     def __post_init__(self) -> None:
@@ -61,9 +62,9 @@ class LoPAOptions:
         return self.length
 
     def parameter_count(self, hidden: int, layers: int) -> int:
-        encoder = hidden * self.encoder_hidden + self.encoder_hidden
-        heads = (self.encoder_hidden + 1) * self.rank * (self.length + hidden)
-        return self.length * hidden + encoder + heads
+        first_layers = 2 * (hidden * self.encoder_hidden + self.encoder_hidden)  # one per head
+        outputs = (self.encoder_hidden + 1) * self.rank * (self.length + hidden)
+        return self.length * hidden + first_layers + outputs
 
 
 @dataclass(frozen=True)
