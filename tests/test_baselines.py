@@ -54,7 +54,7 @@ def _reference_prompt(module, method: str, embeds: torch.Tensor, mask: torch.Ten
         up = module.up[layer if o.every_layer else 0]
         return (h @ up.weight.T + up.bias).view(len(embeds), o.length, -1)
     if method == "smop":
-        probs = torch.softmax(pooled @ module.router.weight.T + module.router.bias, -1)
+        probs = torch.softmax(pooled @ module.router.weight.T, -1)  # the router has no bias
         k = probs.argmax(-1)
         return torch.stack([module.prompts[k[b]] * probs[b, k[b]] for b in range(len(embeds))])
     if method == "residual":

@@ -92,8 +92,8 @@ class IDPGOptions:
 @dataclass(frozen=True)
 class SMoPOptions:
     """SMoP (Choi et al., EMNLP 2023): `num_prompts` prompts of `length` tokens; a linear router on the pooled input
-    picks one (top-1), scaled by its probability; in training Gaussian noise of std `noise_std` perturbs the
-    router logits."""
+    picks one (top-1), scaled by its probability; in training scaled Gaussian noise (std `noise_std`, relative to
+    each logit) perturbs the router logits. The router has no bias, as in the authors' code."""
 
     num_prompts: int = 4
     length: int = 5
@@ -110,7 +110,7 @@ class SMoPOptions:
         return self.length
 
     def parameter_count(self, hidden: int, layers: int) -> int:
-        return self.num_prompts * self.length * hidden + (hidden + 1) * self.num_prompts
+        return self.num_prompts * self.length * hidden + hidden * self.num_prompts
 
 
 @dataclass(frozen=True)

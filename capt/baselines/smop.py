@@ -1,6 +1,9 @@
 """SMoP: several short prompts and a top-1 router on the pooled input.
 
-g = softmax(W pool(E) + b [+ noise in training]),  k* = argmax g,  P(x) = g_k* * P_k*
+l = W pool(E),  g = softmax(l [+ l * eps, eps ~ N(0, std^2), in training]),  k* = argmax g,  P(x) = g_k* * P_k*
+
+As in the authors' code (jyjohnchoi/SMoP, `peft_models/tuners/prompt_routing.py`): the router has no bias and starts
+orthogonal, and its perturbation is scaled Gaussian noise, proportional to the (detached) logit.
 """
 
 from __future__ import annotations
@@ -17,13 +20,16 @@ class SMoPPrompt(nn.Module):
         super().__init__()
         self.options = options
         self.prompts = prompt_table(options.num_prompts, options.length, hidden, device=device)
-        self.router = nn.Linear(hidden, options.num_prompts, device=device)
+        self.router = nn.Linear(hidden, options.num_prompts, bias=False, device=device)
+        if self.router.weight.device.type != "meta":
+            nn.init.orthogonal_(self.router.weight)
 
     def route(self, hidden: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """(B, num_prompts) router probabilities; perturbed by Gaussian noise in training (router perturbation)."""
+        """(B, num_prompts) router probabilities; in training the logits get scaled Gaussian noise (router
+        perturbation): l + l.detach() * eps, eps ~ N(0, noise_std^2)."""
         logits = self.router(pooled_input(hidden, weights, self.router.weight.dtype))
         if self.training and self.options.noise_std > 0:
-            logits = logits + torch.randn_like(logits) * self.options.noise_std
+            logits = logits + logits.detach() * torch.randn_like(logits) * self.options.noise_std
         return logits.softmax(-1)
 
     def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
