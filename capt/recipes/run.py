@@ -52,7 +52,7 @@ DEFAULT_LR = {
     "lora": 5e-4,
     "ia3": 5e-3,
     "dept": 1e-2,
-    "lopa": 1e-2,
+    "lopa": 1e-3,  # jabhinav/Prompt-Tuning-Strikes-Back-with-LOPA README: 1e-3 for the prompt-tuning methods
     "idpg": 1e-3,
     "m-idpg": 1e-3,
     "smop": 3e-2,
