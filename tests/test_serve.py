@@ -314,3 +314,31 @@ def test_openai_client(server):
         == complete(server.client, model="cb", prompt=PROMPTS[1], max_tokens=5)["choices"][0]["text"]
     )
     assert [m.id for m in client.models.list()][:1] == ["base"]
+
+
+def test_requests_join_and_leave_a_running_batch_without_changing_its_answer(server):
+    """B and C are sent while A streams; every answer equals the one it gets alone."""
+    body = {"model": "rte", "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0}
+    alone = complete(server.client, **body)["choices"][0]["text"]
+    mates = [
+        {"model": "cb", "prompt": PROMPTS[2], "max_tokens": 3},
+        {"model": "rte", "prompt": "hello", "max_tokens": 5},
+    ]
+    mates_alone = [complete(server.client, **m)["choices"][0]["text"] for m in mates]
+    parts, mates_done = [], []
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            lines = response.iter_lines()
+            for line in lines:
+                if line:
+                    parts.append(json.loads(line.removeprefix("data: "))["choices"][0]["text"])
+                    break
+            with ThreadPoolExecutor(2) as pool:
+                together = list(pool.map(lambda m: complete(server.client, **m)["choices"][0]["text"], mates))
+            mates_done.append(len(parts))
+            for line in lines:
+                if line and line != "data: [DONE]":
+                    parts.append(json.loads(line.removeprefix("data: "))["choices"][0]["text"])
+    assert together == mates_alone
+    assert "".join(parts) == alone
+    assert len(parts) > mates_done[0]

@@ -1,14 +1,16 @@
 """The model worker of `capt serve`: one thread owns the capsule bank and runs batches from a bounded queue.
 
-Requests wait in the queue; the worker takes the first one, keeps collecting for `batch_window_s` or until
-`max_batch` jobs, and runs them together: classification records of every task in one forward (one adapter per
-row), completions as one left-padded batch decoded step by step by `decode_batch`, a loop over the model with its
-KV cache. Decoding is step-synchronous: a batch's rows start together and leave one by one (stop, max_tokens,
-end of sequence, or a client gone), and requests that arrive meanwhile wait for the next batch.
+Between two decode steps the worker takes what waits in the queue (when idle: the first job, then whatever
+arrives within `batch_window_s`, up to `max_batch`). Classification records of every task run as one forward, one
+adapter per row. Completions join a `DecodeBatch` (continuous batching): their prefill runs, their KV cache is
+merged into the running batch, and from the next step on they decode with the rows already there; a row leaves
+as soon as it finishes or its client goes away. The base model's rows decode in a batch of their own, with the
+capsules switched off.
 """
 
 from __future__ import annotations
 
+import inspect
 import queue
 import threading
 import time
@@ -19,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from ...model import CaptModel
 from ..data import TASKS, Example, parse_record
@@ -109,6 +113,7 @@ class Engine:
         self.lock = threading.Lock()  # the bank is used by the worker and changed by load/unload
         self.observe = observe or (lambda kind, size: None)  # metrics hook: (batch kind, rows)
         self._stop = threading.Event()
+        self._held: Completion | None = None  # taken from the queue while the decode batch was full: next in line
         self._thread = threading.Thread(target=self._run, name="capt-serve-worker", daemon=True)
 
     # ------------------------------------------------------------------ control
@@ -171,25 +176,56 @@ class Engine:
     # ------------------------------------------------------------------ the worker
 
     def _run(self) -> None:
+        lanes = {  # the base model runs with the capsules switched off, so its rows decode in a batch of their own
+            False: DecodeBatch(self.bank, self.tokenizer, self.bank.num_slots),
+            True: DecodeBatch(self.bank, self.tokenizer, 0),
+        }
         while not self._stop.is_set():
-            try:
-                first = self.queue.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            jobs = [first]
-            deadline = time.perf_counter() + self.limits.batch_window_s
-            while len(jobs) < self.limits.max_batch and (left := deadline - time.perf_counter()) > 0:
-                try:
-                    jobs.append(self.queue.get(timeout=left))
-                except queue.Empty:
-                    break
-            jobs = [job for job in jobs if not job.cancelled.is_set()]
-            with self.lock:
+            running = sum(len(lane.rows) for lane in lanes.values())
+            room = self.limits.max_batch - running if all(lane.accepts for lane in lanes.values()) else 0
+            jobs = self._collect(wait=running == 0, room=room)
+            with self.lock:  # held for one step: adapters load and unload between steps
                 self._run_classifications([j for j in jobs if isinstance(j, Classification)])
-                completions = [j for j in jobs if isinstance(j, Completion)]
-                for base in (False, True):  # the base model runs with the capsules switched off
-                    group = [j for j in completions if (j.model == BASE_MODEL) == base]
-                    self._run_completions(group, base)
+                for base, lane in lanes.items():
+                    joining = [j for j in jobs if isinstance(j, Completion) and (j.model == BASE_MODEL) == base]
+                    if joining or lane.rows:
+                        with self.bank.disable_adapter() if base else nullcontext():
+                            self._advance(lane, joining)
+
+    def _collect(self, wait: bool, room: int) -> list[Completion | Classification]:
+        """The jobs to start now, at most `max_batch`; completions only while the decode batch has `room`.
+
+        With nothing decoding, it waits for a first job and then `batch_window_s` for more, so that requests
+        arriving together prefill together. While rows decode it takes only what is already waiting: the next
+        step is the window. The first completion that does not fit stays first in line (`_held`).
+        """
+        jobs: list[Completion | Classification] = []
+        deadline = None
+        while len(jobs) < self.limits.max_batch:
+            try:
+                if self._held is not None:
+                    job, self._held = self._held, None
+                elif not wait:
+                    job = self.queue.get_nowait()
+                elif deadline is None:
+                    job = self.queue.get(timeout=0.1)
+                elif (left := deadline - time.perf_counter()) > 0:
+                    job = self.queue.get(timeout=left)
+                else:
+                    break
+            except queue.Empty:
+                break
+            if wait and deadline is None:
+                deadline = time.perf_counter() + self.limits.batch_window_s
+            if job.cancelled.is_set():
+                continue
+            if isinstance(job, Completion):
+                if room == 0:
+                    self._held = job
+                    break
+                room -= 1
+            jobs.append(job)
+        return jobs
 
     def _run_classifications(self, jobs: list[Classification]) -> None:
         if not jobs:
@@ -205,80 +241,201 @@ class Engine:
         for job in jobs:
             job.emit({"results": [[next(scored) for _ in record] for record in job.items]})
 
-    def _run_completions(self, jobs: list[Completion], base: bool) -> None:
-        if not jobs:
-            return
-        self.observe("completion", len(jobs))
-        try:
-            with self.bank.disable_adapter() if base else nullcontext():
-                decode_batch(self.bank, self.tokenizer, jobs, num_slots=0 if base else self.bank.num_slots)
-        except Exception as err:
-            for job in jobs:
-                job.emit({"error": str(err)})
+    def _advance(self, lane: DecodeBatch, joining: list[Completion]) -> None:
+        """New rows join `lane` (their prefill), then every row decodes one token."""
+        if joining:
+            self.observe("prefill", len(joining))
+            try:
+                lane.join(joining)
+            except Exception as err:  # a bad request or an adapter unloaded meanwhile: the running rows go on
+                for job in joining:
+                    job.emit({"error": str(err)})
+        if lane.rows:
+            self.observe("completion", len(lane.rows))
+            try:
+                lane.step()
+            except Exception as err:
+                lane.fail(str(err))
 
 
-@torch.no_grad()
-def decode_batch(model: CaptModel, tokenizer, jobs: list[Completion], num_slots: int) -> None:
-    """Generate for a batch of completions: left-padded prefill with one adapter per row, then one token per step.
+@dataclass
+class _Row:
+    """One request in a decode batch: its sampler and what it has generated and sent so far."""
 
-    Each row samples with its own generator (seeded by its request), so its tokens do not depend on its
-    batchmates. Positions follow the attention mask, as in `generate`: padding never shifts a row.
+    job: Completion
+    generator: torch.Generator
+    hold: int  # characters held back while they may still begin a stop string
+    tokens: list[int] = field(default_factory=list)
+    sent: int = 0
+
+
+class DecodeBatch:
+    """Continuous batching: rows that generate together, with one KV cache, joining and leaving between steps.
+
+    `join` prefills new requests as a left-padded batch of their own, one adapter per row, so each capsule is
+    computed from its own prompt exactly as in `generate`; their cache is then merged into the running one, the
+    shorter side widened with masked columns between the slot and the tokens. `step` decodes one token for every
+    row. A row leaves as soon as it finishes (end of sequence, a stop string, `max_tokens`) or its client goes
+    away, and columns no remaining row attends to are dropped. Positions follow each row's own tokens, and masked
+    columns weigh exactly nothing, so a row's tokens do not depend on who shares its batch, nor when they came.
+
+    Caches other than full-attention `DynamicLayer`s (sliding windows) cannot be widened: there, new rows wait
+    for the batch to empty (`accepts`), and rows still leave early.
+
+    Example:
+        >>> batch = DecodeBatch(bank, tokenizer, bank.num_slots)  # doctest: +SKIP
+        >>> batch.join([Completion("rte", ids, 8, 0.0, 1.0, None, [], print)])  # doctest: +SKIP
+        >>> while batch.rows: batch.step()  # doctest: +SKIP
     """
-    device = next(model.parameters()).device
-    width = max(len(job.prompt_ids) for job in jobs)
-    pad = tokenizer.pad_token_id
-    ids = torch.tensor([[pad] * (width - len(j.prompt_ids)) + j.prompt_ids for j in jobs], device=device)
-    mask = torch.tensor([[0] * (width - len(j.prompt_ids)) + [1] * len(j.prompt_ids) for j in jobs], device=device)
-    names = None if num_slots == 0 else [job.model for job in jobs]
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, adapter_names=names, use_cache=True)
-    generators = []
-    for job in jobs:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(job.seed if job.seed is not None else int(torch.randint(0, 2**31, ()).item()))
-        generators.append(generator)
-    tokens: list[list[int]] = [[] for _ in jobs]
-    sent = [0] * len(jobs)
-    done = [False] * len(jobs)
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else model.config.eos_token_id
-    hold = max((len(s) for j in jobs for s in j.stop), default=1) - 1  # text that may still start a stop string
-    while True:
-        logits = out.logits[:, -1].float()
-        chosen = []
-        for row, job in enumerate(jobs):
-            chosen.append(pad if done[row] else _choose(logits[row], job, generators[row]))
-        for row, job in enumerate(jobs):
-            if done[row]:
-                continue
-            if job.cancelled.is_set():  # the client went away: its row leaves the batch
-                done[row] = True
-                continue
-            token = chosen[row]
+
+    def __init__(self, model: CaptModel, tokenizer, num_slots: int):
+        self.model, self.tokenizer, self.num_slots = model, tokenizer, num_slots
+        self.device = next(model.parameters()).device
+        self.eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else model.config.eos_token_id
+        forward = inspect.signature(type(model.base_model).forward).parameters
+        self.cache_key = "cache" if "cache" in forward else "past_key_values"  # transformers 5 renamed it
+        # The prefill needs the last position's logits only; the LM head over the whole prompt is wasted work.
+        self.prefill_options = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
+        self.rows: list[_Row] = []
+        self.cache: DynamicCache | None = None
+        self.mask: torch.Tensor | None = None  # (rows, columns) over the tokens; the injector adds the slots'
+        self.last: torch.Tensor | None = None  # (rows,) the token each row feeds next
+
+    @property
+    def accepts(self) -> bool:
+        """Whether new rows can join now (always, unless the running cache cannot be widened)."""
+        return not self.rows or _widenable(self.cache)
+
+    @torch.no_grad()
+    def join(self, jobs: list[Completion]) -> None:
+        """Prefill `jobs` together, choose their first tokens and add the rows that go on to the batch."""
+        width = max(len(job.prompt_ids) for job in jobs)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        ids = torch.tensor([[pad] * (width - len(j.prompt_ids)) + j.prompt_ids for j in jobs], device=self.device)
+        mask = torch.tensor(
+            [[0] * (width - len(j.prompt_ids)) + [1] * len(j.prompt_ids) for j in jobs], device=self.device
+        )
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            adapter_names=None if self.num_slots == 0 else [job.model for job in jobs],
+            use_cache=True,
+            **self.prefill_options,
+        )
+        rows = [_Row(job, _generator(job, self.device), max(map(len, job.stop), default=1) - 1) for job in jobs]
+        chosen = self._choose_and_send(rows, out.logits[:, -1].float())
+        going = [i for i, token in enumerate(chosen) if token is not None]
+        if not going:
+            return
+        cache = out[self.cache_key]
+        index = torch.tensor(going, device=self.device)
+        if len(going) < len(rows):
+            cache.batch_select_indices(index)
+        rows, mask = [rows[i] for i in going], mask[index]
+        last = torch.tensor([chosen[i] for i in going], device=self.device)
+        if not self.rows:
+            self.rows, self.cache, self.mask, self.last = rows, cache, mask, last
+            return
+        extra = self.mask.shape[1] - mask.shape[1]  # > 0: the newcomers are shorter; < 0: the batch is
+        for old, new in zip(self.cache.layers, cache.layers, strict=True):
+            old.keys = torch.cat([self._widen(old.keys, -extra), self._widen(new.keys, extra)])
+            old.values = torch.cat([self._widen(old.values, -extra), self._widen(new.values, extra)])
+        self.mask = torch.cat([_pad_left(self.mask, -extra), _pad_left(mask, extra)])
+        self.rows += rows
+        self.last = torch.cat([self.last, last])
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Decode one token for every row whose client is still there; finished rows leave."""
+        self._keep([not row.job.cancelled.is_set() for row in self.rows])  # gone clients leave before the step
+        if not self.rows:
+            return
+        mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), 1)], dim=1)
+        out = self.model(
+            input_ids=self.last[:, None],
+            attention_mask=mask,
+            position_ids=mask.sum(-1, keepdim=True) - 1 + self.num_slots,
+            use_cache=True,
+            **{self.cache_key: self.cache},
+        )
+        self.mask, self.cache = mask, out[self.cache_key]
+        chosen = self._choose_and_send(self.rows, out.logits[:, -1].float())
+        self.last = torch.tensor([token or 0 for token in chosen], device=self.device)  # 0: a row that leaves now
+        self._keep([token is not None for token in chosen])
+
+    def fail(self, message: str) -> None:
+        """Tell every row's waiter that the batch failed, and empty it."""
+        for row in self.rows:
+            row.job.emit({"error": message})
+        self._keep([False] * len(self.rows))
+
+    def _choose_and_send(self, rows: list[_Row], logits: torch.Tensor) -> list[int | None]:
+        """Each row's next token from its logits, its new text sent; None where the row has finished."""
+        chosen: list[int | None] = []
+        for row, row_logits in zip(rows, logits, strict=True):
+            job, token = row.job, _choose(row_logits, row.job, row.generator)
             finish = None
-            if token == eos:
+            if token == self.eos:
                 finish = "stop"
             else:
-                tokens[row].append(token)
-                text = tokenizer.decode(tokens[row], skip_special_tokens=True)
+                row.tokens.append(token)
+                text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
                 cut = min((i for s in job.stop if (i := text.find(s)) >= 0), default=-1)
                 if cut >= 0:
                     text, finish = text[:cut], "stop"
-                elif len(tokens[row]) >= job.max_tokens:
+                elif len(row.tokens) >= job.max_tokens:
                     finish = "length"
-                end = len(text) if finish else max(sent[row], len(text) - hold)
-                if end > sent[row]:
-                    job.emit({"text": text[sent[row] : end]})
-                    sent[row] = end
+                end = len(text) if finish else max(row.sent, len(text) - row.hold)
+                if end > row.sent:
+                    job.emit({"text": text[row.sent : end]})
+                    row.sent = end
             if finish:
-                done[row] = True
-                job.emit({"done": finish, "tokens": len(tokens[row])})
-        if all(done):
+                job.emit({"done": finish, "tokens": len(row.tokens)})
+            chosen.append(None if finish else token)
+        return chosen
+
+    def _keep(self, keep: list[bool]) -> None:
+        """Only the rows marked True stay; then the leading columns every remaining row masks are dropped."""
+        if all(keep):
             return
-        mask = torch.cat([mask, mask.new_ones(len(jobs), 1)], dim=1)
-        positions = mask.sum(-1, keepdim=True) - 1 + num_slots
-        cache = "cache" if "cache" in out else "past_key_values"  # transformers renamed it in 5.x
-        step = torch.tensor(chosen, device=device)[:, None]
-        out = model(input_ids=step, attention_mask=mask, position_ids=positions, use_cache=True, **{cache: out[cache]})
+        if not any(keep):
+            self.rows, self.cache, self.mask, self.last = [], None, None, None
+            return
+        index = torch.tensor([i for i, k in enumerate(keep) if k], device=self.device)
+        self.cache.batch_select_indices(index)
+        self.rows = [row for row, k in zip(self.rows, keep, strict=True) if k]
+        self.mask, self.last = self.mask[index], self.last[index]
+        unused = int(self.mask.any(0).long().argmax())  # leading columns that are padding in every row
+        if unused and _widenable(self.cache):
+            n = self.num_slots
+            for layer in self.cache.layers:
+                layer.keys = torch.cat([layer.keys[..., :n, :], layer.keys[..., n + unused :, :]], dim=-2)
+                layer.values = torch.cat([layer.values[..., :n, :], layer.values[..., n + unused :, :]], dim=-2)
+            self.mask = self.mask[:, unused:]
+
+    def _widen(self, states: torch.Tensor, columns: int) -> torch.Tensor:
+        """(rows, heads, length, dim) cached states with `columns` zero columns inserted after the slot columns."""
+        if columns <= 0:
+            return states
+        n = self.num_slots
+        zeros = states.new_zeros(*states.shape[:-2], columns, states.shape[-1])
+        return torch.cat([states[..., :n, :], zeros, states[..., n:, :]], dim=-2)
+
+
+def _widenable(cache: DynamicCache | None) -> bool:
+    return cache is not None and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def _pad_left(mask: torch.Tensor, columns: int) -> torch.Tensor:
+    return mask if columns <= 0 else torch.cat([mask.new_zeros(mask.shape[0], columns), mask], dim=1)
+
+
+def _generator(job: Completion, device: torch.device) -> torch.Generator:
+    """A row's own sampler, seeded by its request: its tokens do not depend on its batchmates."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(job.seed if job.seed is not None else int(torch.randint(0, 2**31, ()).item()))
+    return generator
 
 
 def _choose(logits: torch.Tensor, job: Completion, generator: torch.Generator) -> int:
@@ -293,4 +450,13 @@ def _choose(logits: torch.Tensor, job: Completion, generator: torch.Generator) -
     return int(torch.multinomial(probs, 1, generator=generator)[0])
 
 
-__all__ = ["BASE_MODEL", "Classification", "Completion", "Engine", "Limits", "QueueFull", "Scored", "decode_batch"]
+__all__ = [
+    "BASE_MODEL",
+    "Classification",
+    "Completion",
+    "DecodeBatch",
+    "Engine",
+    "Limits",
+    "QueueFull",
+    "Scored",
+]
