@@ -383,10 +383,12 @@ class CapsuleInjector:
 
     # ------------------------------------------------------------------ hooks
 
-    def _before_model(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _before_model(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if self._generating:
+            return None  # generate() prepared its inputs itself: its passes go to the model untouched
         inputs = drop_none(**dict(zip(self._argument_names, args, strict=False)), **kwargs)
         instance_mask, adapter_names = (inputs.pop(key, None) for key in CAPT_INPUTS)
-        if self.enabled and not self._generating:  # generate() prepared its inputs itself
+        if self.enabled:
             if cache_is_empty(cache_of(inputs)):
                 self._prepare_prefill(inputs, instance_mask, adapter_names or self.pending_adapter_names)
             else:

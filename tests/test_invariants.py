@@ -89,3 +89,40 @@ def test_capsules_are_written_in_the_hidden_dtype(dtype):
     with torch.no_grad():
         model(input_ids=torch.tensor([[5, 6, 7]]))
     assert seen == [dtype]
+
+
+def _t5_logits_left_and_right_padded(model, seed=0, pads=3):
+    """Logits of one 7-token example with `pads` pad columns on the left and on the right, and alone."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 100, (1, 7), generator=generator)
+    decoder = torch.randint(3, 100, (1, 3), generator=generator)
+    zeros, ones = torch.zeros(1, pads, dtype=torch.long), torch.ones_like(ids)
+    layouts = {
+        "alone": (ids, ones),
+        "left": (torch.cat([zeros, ids], 1), torch.cat([zeros, ones], 1)),
+        "right": (torch.cat([ids, zeros], 1), torch.cat([ones, zeros], 1)),
+    }
+    with torch.no_grad():
+        return {
+            side: model(input_ids=x, attention_mask=mask, decoder_input_ids=decoder).logits
+            for side, (x, mask) in layouts.items()
+        }
+
+
+def test_bare_t5_does_not_depend_on_left_padding():
+    """T5's relative position bias depends only on column differences, which left pads do not change."""
+    logits = _t5_logits_left_and_right_padded(build("t5").eval())
+    torch.testing.assert_close(logits["left"], logits["alone"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits["right"], logits["alone"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known bug (ours): the encoder slot sits at column 0, before the left pads, so its relative-position "
+    "bias to every token shifts with the pad count (0.012 max logit difference here; right padding: 1e-6); the "
+    "bare model is invariant (test above). Remove this marker when the slot follows the pads.",
+)
+def test_capt_t5_does_not_depend_on_left_padding():
+    logits = _t5_logits_left_and_right_padded(_model("t5").eval())
+    torch.testing.assert_close(logits["right"], logits["alone"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits["left"], logits["alone"], atol=1e-5, rtol=0)

@@ -70,6 +70,8 @@ def pretrained_folder(name: str) -> Path:
         >>> from transformers import AutoModelForCausalLM
         >>> model = AutoModelForCausalLM.from_pretrained(pretrained_folder("smollm2"))  # doctest: +SKIP
     """
+    if name not in GGUF_BACKBONES:
+        raise KeyError(f"unknown GGUF backbone {name!r}; choose from {', '.join(GGUF_BACKBONES)}")
     spec = GGUF_BACKBONES[name]
     missing = [m for m in (spec.package, "gguf") if importlib.util.find_spec(m) is None]
     if missing:

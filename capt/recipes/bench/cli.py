@@ -20,7 +20,7 @@ from transformers.utils import logging as hf_logging
 from ..backbones import RandomSize
 from .methods import METHODS, parse_methods
 from .report import environment, evaluate_targets, write_all
-from .run import BACKBONES, Options, log_to_stderr, run_backbone
+from .run import BACKBONES, REAL_DECODERS, Options, log_to_stderr, run_backbone
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Training-step time and peak memory of CaPT vs. its floor and PEFT baselines, in one process "
         "(methods interleaved, median of paired ratios), plus decoder-only generate latency.",
     )
-    parser.add_argument("--backbones", default=",".join(BACKBONES), help="comma list of: %(default)s")
+    parser.add_argument(
+        "--backbones",
+        default=",".join(BACKBONES),
+        help=f"comma list of: %(default)s (default), {', '.join(REAL_DECODERS)}",
+    )
     parser.add_argument("--lengths", default="64,128,256,512", help="user tokens N per sequence (default %(default)s)")
     parser.add_argument(
         "--batch-size", type=int, default=4, help="sequences per step (default %(default)s; the issue asks 16)"
@@ -71,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         options = Options(
-            backbones=_names(args.backbones, BACKBONES),
+            backbones=_names(args.backbones, BACKBONES + REAL_DECODERS),
             lengths=_ints(args.lengths),
             methods=parse_methods(args.methods),
             batch_size=args.batch_size,

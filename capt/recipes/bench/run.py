@@ -19,7 +19,9 @@ from .measure import TrainStep, interleaved, peak_bytes
 from .methods import Method, attach
 
 GENERATE_METHODS = ("floor", "capt-add", "prompt-tuning-100")
-BACKBONES = ("minilm", "llama", "t5")
+BACKBONES = ("minilm", "llama", "t5")  # the default run
+# Real pretrained decoders, run only when named: 30 real layers cost far more CPU than the 2-layer random ones.
+REAL_DECODERS = ("smollm2",)
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,12 @@ def build_backbone(name: str, size: RandomSize, seed: int) -> Backbone:
         return backbone
     if name in ("llama", "t5"):
         return random_backbone(name, size, seed)
-    raise ValueError(f"unknown backbone {name!r}; choose from {', '.join(BACKBONES)}")
+    if name in REAL_DECODERS:
+        backbone = load_backbone(name, seed=seed)
+        backbone.model.train()
+        backbone.description = "SmolLM2-135M-Instruct, real weights: Llama decoder, 30 layers, d=576, causal LM"
+        return backbone
+    raise ValueError(f"unknown backbone {name!r}; choose from {', '.join(BACKBONES + REAL_DECODERS)}")
 
 
 def run_backbone(name: str, options: Options, log: Callable[[str], None]) -> dict:
