@@ -67,6 +67,22 @@ def test_a_bad_flag_is_refused_naming_it(flags, message, tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
+    ("grid", "message"),
+    [
+        ("capt=-1", "has learning rate(s) [-1.0]; each must be a finite number >= 0"),
+        ("capt=1e-2,nan", "has learning rate(s) [nan]"),
+        ("capt=", "gives no learning rates"),
+        ("capt=abc", "is not METHOD=LR,LR,..."),
+    ],
+)
+def test_a_bad_lr_grid_is_refused_before_any_training(grid, message, tmp_path, capsys):
+    argv = ["sweep", "--tasks", "cb", "--methods", "capt", "--lr-grid", grid, "--model", "tiny-llama"]
+    err = _error(capsys, [*argv, "--data-dir", str(DATA), "--output-dir", str(tmp_path / "out")])
+    assert "--lr-grid" in err and message in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
     ("yaml_text", "message"),
     [
         ('epochs: "ten"\n', "--epochs (YAML key epochs): got 'ten'; expected an integer"),
@@ -317,3 +333,13 @@ def test_weights_that_became_nan_are_never_saved_as_best(tmp_path, monkeypatch):
     with pytest.raises(FloatingPointError, match="became NaN or inf by epoch 1"):
         recipe.train(config)
     assert not (tmp_path / "trainable.safetensors").exists()
+
+
+def test_eval_on_a_task_the_head_was_not_trained_for_is_refused(tmp_path, capsys):
+    """An encoder's 3-way CB head must not silently score RTE's 2 labels (it did: 62.50 accuracy, written)."""
+    out = tmp_path / "cb-encoder"
+    encoder = ["--model", "minilm", *TINY[2:]]
+    assert main(["train", *encoder, "--epochs", "1", "--output-dir", str(out)]) == 0
+    err = _error(capsys, ["eval", "--adapter", str(out), "--task", "rte", "--data-dir", str(DATA)])
+    assert "--task rte" in err and "trained on cb with a 3-output head; rte needs 2 outputs" in err
+    assert not (out / "eval-rte-test.json").exists()

@@ -205,9 +205,17 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 def _eval(args: argparse.Namespace) -> int:
     from .evaluate import encode_cached, evaluate, load_splits
+    from .formats import EncoderFormat, head_outputs
     from .run import load_run
 
     config, model, fmt = load_run(args.adapter)
+    if args.task and args.task != config.task and isinstance(fmt, EncoderFormat):
+        trained, asked = head_outputs(config.task), head_outputs(args.task)
+        if trained != asked:  # the run's head would score the other task's labels with the wrong classes
+            raise ValueError(
+                f"--task {args.task}: {args.adapter} was trained on {config.task} with a {trained}-output head; "
+                f"{args.task} needs {asked} outputs. Score it with a run trained on {args.task}."
+            )
     config = dataclasses.replace(config, task=args.task or config.task, data_dir=args.data_dir or config.data_dir)
     fmt = dataclasses.replace(fmt, task=config.task)
     examples = load_splits(config)[args.split]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 from collections import Counter
 from pathlib import Path
@@ -116,12 +117,15 @@ def parse_lr_grid(text: str) -> dict[str, list[float]]:
     grid = {}
     for item in filter(None, (part.strip() for part in text.split(";"))):
         method, _, rates = item.partition("=")
+        if not rates.strip():
+            raise ValueError(f"--lr-grid: {item!r} gives no learning rates")
         try:
             grid[method.strip()] = [float(r) for r in rates.split(",")]
         except ValueError:
             raise ValueError(f"--lr-grid: {item!r} is not METHOD=LR,LR,... (e.g. capt=3e-3,1e-2,3e-2)") from None
-        if not rates.strip():
-            raise ValueError(f"--lr-grid: {item!r} gives no learning rates")
+        bad = [r for r in grid[method.strip()] if not math.isfinite(r) or r < 0]
+        if bad:
+            raise ValueError(f"--lr-grid: {item!r} has learning rate(s) {bad}; each must be a finite number >= 0")
     return grid
 
 
