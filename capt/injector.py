@@ -327,7 +327,6 @@ class CapsuleInjector:
                 )
             if self.family == "decoder" and "labels" in inputs and inputs["labels"].shape == mask.shape:
                 mask = mask & (inputs["labels"] == -100)  # targets never enter: no answer leakage
-            self._instance_masks[self._role_for("input_ids")] = prepend(mask, self.num_slots, False)
             if positions and self._derives_positions and "position_ids" not in inputs and "attention_mask" in inputs:
                 # Positions count from the first real token, so that the slot (position 0) is as far from every
                 # token whatever the padding; generate() derives its positions from the mask the same way.
@@ -367,6 +366,11 @@ class CapsuleInjector:
         shape = ids.shape if ids is not None else embeds.shape[:-1]
         device = (ids if ids is not None else embeds).device
         mask = inputs.get(f"{prefix}attention_mask")
+        if mask is not None and mask.shape != shape:  # BERT would broadcast a wrong-shaped mask without a word
+            raise ValueError(
+                f"{prefix}attention_mask has shape {tuple(mask.shape)}, {prefix}input_ids has {tuple(shape)}: "
+                "give one mask entry per token"
+            )
         mask = torch.ones(shape, dtype=torch.bool, device=device) if mask is None else mask.bool()
         if override is not None:
             if override.shape != mask.shape:

@@ -126,3 +126,14 @@ def test_capt_t5_does_not_depend_on_left_padding():
     logits = _t5_logits_left_and_right_padded(_model("t5").eval())
     torch.testing.assert_close(logits["right"], logits["alone"], atol=1e-5, rtol=0)
     torch.testing.assert_close(logits["left"], logits["alone"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["bert-cls", "llama", "t5"])
+def test_an_attention_mask_of_another_shape_is_refused(name):
+    """BERT broadcasts a (2, 5) mask over (2, 6) ids without a word; under CaPT it is a clear error instead."""
+    ids = torch.randint(3, 100, (2, 6))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones(2, 5, dtype=torch.long)}
+    if name == "t5":
+        inputs["decoder_input_ids"] = torch.randint(3, 100, (2, 2))
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 5\), input_ids has \(2, 6\)"):
+        _model(name)(**inputs)
