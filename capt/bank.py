@@ -25,10 +25,16 @@ def load_bank(base_model: PreTrainedModel, adapters: Mapping[str, str | os.PathL
         >>> list(bank.adapter_configs)  # doctest: +SKIP
         ['rte', 'boolq']
     """
+    if not isinstance(adapters, Mapping):
+        raise TypeError(f"adapters must map names to adapter folders, e.g. {{'rte': 'adapters/rte'}}; got {adapters!r}")
     if not adapters:
         raise ValueError("load_bank needs at least one adapter")
     (first_name, first_path), *others = adapters.items()
     bank = CaptModel.from_pretrained(base_model, first_path, adapter_name=first_name)
-    for name, path in others:
-        bank.load_adapter(path, adapter_name=name)
+    try:
+        for name, path in others:
+            bank.load_adapter(path, adapter_name=name)
+    except BaseException:
+        bank.unload()  # leave the base model as it came, so that a corrected retry can attach
+        raise
     return bank

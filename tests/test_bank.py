@@ -133,3 +133,15 @@ def test_peft_mixes_tasks_in_one_batch_too(tmp_path):
     assert status.available_adapters == ["a", "b"] and status.active_adapters == ["b"]
     model.delete_adapter("a")
     assert list(model.peft_config) == ["b"] and model.active_adapter == "b"
+
+
+def test_a_failed_bank_load_leaves_the_base_model_clean_for_a_retry(tmp_path):
+    """A bad later adapter used to leave the first one's hooks behind: the retry said 'already attached'."""
+    paths = _saved_adapters("llama", tmp_path)
+    base = build("llama")
+    with pytest.raises(Exception, match="missing"):
+        load_bank(base, {"a": paths["a"], "b": tmp_path / "missing"})
+    bank = load_bank(base, {"a": paths["a"], "b": paths["b"]})  # the retry attaches
+    assert list(bank.adapter_configs) == ["a", "b"]
+    with pytest.raises(TypeError, match="adapters must map names to adapter folders"):
+        load_bank(build("llama"), [paths["a"]])
