@@ -343,3 +343,17 @@ def test_eval_on_a_task_the_head_was_not_trained_for_is_refused(tmp_path, capsys
     err = _error(capsys, ["eval", "--adapter", str(out), "--task", "rte", "--data-dir", str(DATA)])
     assert "--task rte" in err and "trained on cb with a 3-output head; rte needs 2 outputs" in err
     assert not (out / "eval-rte-test.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["compare", "--tasks", "cb,cb", "--methods", "capt"], "--tasks names cb more than once"),
+        (["sweep", "--tasks", "cb", "--methods", "capt,lora,capt"], "--methods names capt more than once"),
+        (["predict", "--adapters", "cb=a,cb=b", "--input", "x", "--output", "y"], "--adapters names cb more than once"),
+    ],
+)
+def test_a_name_given_twice_is_refused(argv, message, tmp_path, capsys):
+    err = _error(capsys, [*argv, "--output-dir", str(tmp_path / "out")] if argv[0] != "predict" else argv)
+    assert message in err
+    assert not (tmp_path / "out").exists()

@@ -282,13 +282,27 @@ def _name_pairs(text: str, flag: str) -> dict[str, Path]:
     pairs = [item.split("=", 1) for item in text.split(",")]
     if any(len(pair) != 2 or not all(pair) for pair in pairs):
         raise ValueError(f"{flag} takes name=FOLDER pairs separated by commas, got {text!r}")
+    _refuse_duplicates([name for name, _ in pairs], flag)
     return {name: Path(folder) for name, folder in pairs}
+
+
+def _comma_list(text: str, flag: str) -> list[str]:
+    """`cb,rte` -> ["cb", "rte"]; a name given twice is refused (it would silently give one row, or one adapter)."""
+    items = text.split(",")
+    _refuse_duplicates(items, flag)
+    return items
+
+
+def _refuse_duplicates(items: list[str], flag: str) -> None:
+    repeated = sorted({item for item in items if items.count(item) > 1})
+    if repeated:
+        raise ValueError(f"{flag} names {', '.join(repeated)} more than once; give each once")
 
 
 def _compare(args: argparse.Namespace) -> int:
     from .experiments import compare
 
-    tasks, methods = args.tasks.split(","), args.methods.split(",")
+    tasks, methods = _comma_list(args.tasks, "--tasks"), _comma_list(args.methods, "--methods")
     configs = [run_config(args, task=task, method=method) for task in tasks for method in methods]
     print(compare(configs, args.seeds, args.overwrite))
     return 0
@@ -297,7 +311,7 @@ def _compare(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     from .experiments import parse_lr_grid, sweep
 
-    tasks, methods = args.tasks.split(","), args.methods.split(",")
+    tasks, methods = _comma_list(args.tasks, "--tasks"), _comma_list(args.methods, "--methods")
     grid = parse_lr_grid(args.lr_grid)
     unknown = sorted(set(grid) - set(methods))
     if unknown:
