@@ -357,3 +357,18 @@ def test_a_name_given_twice_is_refused(argv, message, tmp_path, capsys):
     err = _error(capsys, [*argv, "--output-dir", str(tmp_path / "out")] if argv[0] != "predict" else argv)
     assert message in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
+        (["--queue-size", "-1"], "--queue-size must be >= 1, got -1"),
+        (["--timeout", "0"], "--timeout must be > 0, got 0.0"),
+        (["--batch-window-ms", "nan"], "--batch-window-ms must be >= 0, got nan"),
+        (["--batch-window-ms", "-5"], "--batch-window-ms must be >= 0, got -5.0"),
+    ],
+)
+def test_bad_serve_limits_are_refused_before_the_model_loads(flags, message, capsys):
+    err = _error(capsys, ["serve", "--model", "tiny-llama", "--adapters", "a=nowhere", *flags])
+    assert message in err

@@ -11,6 +11,7 @@ capsules switched off.
 from __future__ import annotations
 
 import inspect
+import math
 import queue
 import threading
 import time
@@ -45,6 +46,16 @@ class Limits:
     timeout_s: float = 60.0
     batch_window_s: float = 0.005
     max_batch: int = 16
+
+    def __post_init__(self) -> None:
+        flags = {"timeout_s": "--timeout", "batch_window_s": "--batch-window-ms"}
+        for name, value in vars(self).items():
+            flag = flags.get(name, "--" + name.replace("_", "-"))
+            low = 0 if name == "batch_window_s" else 1 if isinstance(value, int) else 0
+            if not math.isfinite(value) or value < low or (name == "timeout_s" and value <= 0):
+                bound = "> 0" if name == "timeout_s" else f">= {low}"
+                shown = value * 1000 if name == "batch_window_s" else value  # the flag is in milliseconds
+                raise ValueError(f"{flag} must be {bound}, got {shown}")
 
 
 @dataclass
