@@ -21,8 +21,19 @@ def _positive(owner: object, *names: str) -> None:
             raise ValueError(f"{type(owner).__name__}.{name} must be a positive integer, got {value!r}")
 
 
+class _SoftPrompt:
+    """What every prompt method's options tell the slot machinery: `length` slots, written at the input layer
+    unless a subclass says `every_layer`."""
+
+    every_layer = False
+
+    @property
+    def num_tokens(self) -> int:
+        return self.length  # type: ignore[attr-defined]  (each subclass declares its own default length)
+
+
 @dataclass(frozen=True)
-class DePTOptions:
+class DePTOptions(_SoftPrompt):
     """DePT (Shi & Lipani, ICLR 2024): a soft prompt of `length` tokens plus A (positions x rank) @ B (rank x d)
     added to the first `positions` input token embeddings. T5-Base defaults: m=60, r=30, s=256 (76,800 parameters,
     the budget of a 100-token prompt)."""
@@ -30,21 +41,16 @@ class DePTOptions:
     length: int = 60
     rank: int = 30
     positions: int = 256
-    every_layer = False
 
     def __post_init__(self) -> None:
         _positive(self, "length", "rank", "positions")
-
-    @property
-    def num_tokens(self) -> int:
-        return self.length
 
     def parameter_count(self, hidden: int, layers: int) -> int:
         return self.length * hidden + self.rank * (self.positions + hidden)
 
 
 @dataclass(frozen=True)
-class LoPAOptions:
+class LoPAOptions(_SoftPrompt):
     """LoPA (Jain et al., 2024): Z = Z_S * sigmoid(u(x) v(x)), Z_S a task-shared (length x d) prompt, u (length x
     rank) and v (rank x d) computed from the pooled input by two separate heads d -> `encoder_hidden` (tanh) -> out;
     width 256 as in the authors' NLU parameter counts (docs/baselines-provenance.md)."""
@@ -52,14 +58,9 @@ class LoPAOptions:
     length: int = 10
     rank: int = 1
     encoder_hidden: int = 256
-    every_layer = False
 
     def __post_init__(self) -> None:
         _positive(self, "length", "rank", "encoder_hidden")
-
-    @property
-    def num_tokens(self) -> int:
-        return self.length
 
     def parameter_count(self, hidden: int, layers: int) -> int:
         first_layers = 2 * (hidden * self.encoder_hidden + self.encoder_hidden)  # one per head
@@ -68,7 +69,7 @@ class LoPAOptions:
 
 
 @dataclass(frozen=True)
-class IDPGOptions:
+class IDPGOptions(_SoftPrompt):
     """IDPG / M-IDPG (Wu et al., NAACL 2022): a bottleneck generator d -> `bottleneck` (16; ReLU) -> length x d maps the
     sentence representation (masked mean of the input embeddings) to the prompt, at the input layer (IDPG) or with
     one output projection per layer (M-IDPG, `every_layer=True`)."""
@@ -80,17 +81,13 @@ class IDPGOptions:
     def __post_init__(self) -> None:
         _positive(self, "length", "bottleneck")
 
-    @property
-    def num_tokens(self) -> int:
-        return self.length
-
     def parameter_count(self, hidden: int, layers: int) -> int:
         outputs = layers if self.every_layer else 1
         return hidden * self.bottleneck + self.bottleneck + outputs * (self.bottleneck + 1) * self.length * hidden
 
 
 @dataclass(frozen=True)
-class SMoPOptions:
+class SMoPOptions(_SoftPrompt):
     """SMoP (Choi et al., EMNLP 2023): `num_prompts` prompts of `length` tokens; a linear router on the pooled input
     picks one (top-1), scaled by its probability; in training scaled Gaussian noise (std `noise_std`, relative to
     each logit) perturbs the router logits. The router has no bias, as in the authors' code."""
@@ -98,23 +95,18 @@ class SMoPOptions:
     num_prompts: int = 4
     length: int = 5
     noise_std: float = 1.0
-    every_layer = False
 
     def __post_init__(self) -> None:
         _positive(self, "num_prompts", "length")
         if self.noise_std < 0:
             raise ValueError(f"SMoPOptions.noise_std must be >= 0, got {self.noise_std}")
 
-    @property
-    def num_tokens(self) -> int:
-        return self.length
-
     def parameter_count(self, hidden: int, layers: int) -> int:
         return self.num_prompts * self.length * hidden + hidden * self.num_prompts
 
 
 @dataclass(frozen=True)
-class ResidualPromptOptions:
+class ResidualPromptOptions(_SoftPrompt):
     """Residual Prompt Tuning (Razdaibiedina et al., ACL 2023): P' = P + LayerNorm(up(ReLU(down(P)))), one MLP
     (bottleneck `bottleneck`) shared by the `length` tokens. `reparameterize=False` is the folded form: plain
     prompts P', what `fold_residual_prompt` leaves after training."""
@@ -122,14 +114,9 @@ class ResidualPromptOptions:
     length: int = 10
     bottleneck: int = 400
     reparameterize: bool = True
-    every_layer = False
 
     def __post_init__(self) -> None:
         _positive(self, "length", "bottleneck")
-
-    @property
-    def num_tokens(self) -> int:
-        return self.length
 
     def parameter_count(self, hidden: int, layers: int) -> int:
         mlp = 2 * hidden * self.bottleneck + self.bottleneck + hidden + 2 * hidden if self.reparameterize else 0

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -294,7 +295,7 @@ def _comma_list(text: str, flag: str) -> list[str]:
 
 
 def _refuse_duplicates(items: list[str], flag: str) -> None:
-    repeated = sorted({item for item in items if items.count(item) > 1})
+    repeated = sorted(item for item, count in Counter(items).items() if count > 1)
     if repeated:
         raise ValueError(f"{flag} names {', '.join(repeated)} more than once; give each once")
 

@@ -48,14 +48,13 @@ class Limits:
     max_batch: int = 16
 
     def __post_init__(self) -> None:
-        flags = {"timeout_s": "--timeout", "batch_window_s": "--batch-window-ms"}
         for name, value in vars(self).items():
-            flag = flags.get(name, "--" + name.replace("_", "-"))
-            low = 0 if name == "batch_window_s" else 1 if isinstance(value, int) else 0
-            if not math.isfinite(value) or value < low or (name == "timeout_s" and value <= 0):
-                bound = "> 0" if name == "timeout_s" else f">= {low}"
-                shown = value * 1000 if name == "batch_window_s" else value  # the flag is in milliseconds
-                raise ValueError(f"{flag} must be {bound}, got {shown}")
+            if isinstance(value, int) and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if not 0 < self.timeout_s < math.inf:  # also refuses nan
+            raise ValueError(f"--timeout must be > 0, got {self.timeout_s}")
+        if not 0 <= self.batch_window_s < math.inf:
+            raise ValueError(f"--batch-window-ms must be >= 0, got {self.batch_window_s * 1000}")
 
 
 @dataclass
