@@ -80,6 +80,34 @@ def test_sweep_picks_the_rate_by_validation_trains_the_seeds_and_resumes(tmp_pat
     assert (out / "cb" / "capt" / "seed-1" / "results.json").stat().st_mtime_ns == stamp
 
 
+def test_sweep_table_gives_parameters_and_the_average_of_methods_with_every_task():
+    from capt.recipes.experiments import sweep_table
+
+    def cell(task, method, score, seconds):
+        grid = [{"lr": 0.01, "validation_score": 0.5}]
+        return {
+            "task": task,
+            "method": method,
+            "score": {"mean": score, "std": 0.1},
+            "seeds": [0, 1, 2],
+            "chosen_lr": 0.01,
+            "grid": grid,
+            "epochs_to_best": 2.0,
+            "seconds_to_best": seconds,
+            "trainable_params": 17280,
+            "trainable_percent": 0.0128,
+        }
+
+    cells = [cell("cb", "capt", 0.5, 100), cell("copa", "capt", 0.7, 300), cell("cb", "lora", 0.6, 400)]
+    table = sweep_table(cells, [{"task": "cb", "method": "majority", "test": {"score": 0.36}}], ["cb", "copa"])
+    assert "| cb | capt | 17,280 (0.0128%) | 0.01 | 0.01: 50.0 | 50.0 ± 10.0 | 3 | 2.0 | 100 s | 1.00x |" in table
+    assert "| cb | lora | 17,280 (0.0128%) | 0.01 | 0.01: 50.0 | 60.0 ± 10.0 | 3 | 2.0 | 400 s | 4.00x |" in table
+    assert "| cb | majority | 0 | - | - | 36.0 | - | 0 | - | - |" in table
+    assert "| average | capt | - | - | - | 60.0 | - | - | 200 s | 1.00x |" in table  # (50 + 70) / 2, (100 + 300) / 2
+    assert "| average | lora |" not in table  # no COPA cell: no average
+    assert all(line.count("|") == 11 for line in table.splitlines())  # every row has the header's 10 columns
+
+
 def test_majority_reference_scores_the_most_frequent_training_label(tmp_path):
     from capt.recipes.experiments import reference_results
     from capt.recipes.run import RunConfig

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..saving import atomic_write_text
 from .bench.time_to_accuracy import best_epoch_and_time
+from .metrics import superglue_average
 from .reporting import aggregate_seeds, comparison_table
 from .run import CHECKPOINT_NAME, DEFAULT_LR, RESULTS_NAME, RunConfig, read_results, run_lock
 from .train import pause_point, train
@@ -225,12 +226,14 @@ def reference_results(config: RunConfig) -> list[dict[str, Any]]:
 
 
 def sweep_table(cells: list[dict[str, Any]], references: list[dict[str, Any]], tasks: list[str]) -> str:
-    """Markdown: per task and method the chosen lr, every rate's validation score, test mean ± std over seeds,
-    epochs and time to the best validation score, and that time relative to CaPT's (the paper's Table 2)."""
+    """Markdown: per task and method the trainable parameters, the chosen lr, every rate's validation score, test
+    mean ± std over seeds, epochs and time to the best validation score, and that time relative to CaPT's (the
+    paper's Table 2). With several tasks, an `average` row per method that has every task: the mean of its task
+    scores and of its times to best."""
     lines = [
-        "| task | method | chosen lr | validation by lr | test score | seeds | epochs to best | time to best "
-        "| x capt |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| task | method | trainable | chosen lr | validation by lr | test score | seeds | epochs to best "
+        "| time to best | x capt |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     capt_time = {c["task"]: c["seconds_to_best"] for c in cells if c["method"] == "capt"}
     for task in tasks:
@@ -238,10 +241,28 @@ def sweep_table(cells: list[dict[str, Any]], references: list[dict[str, Any]], t
             grid = ", ".join(f"{p['lr']:g}: {100 * p['validation_score']:.1f}" for p in c["grid"])
             relative = f"{c['seconds_to_best'] / capt_time[task]:.2f}x" if capt_time.get(task) else "n/a"
             lines.append(
-                f"| {task} | {c['method']} | {c['chosen_lr']:g} | {grid} | {100 * c['score']['mean']:.1f} ± "
-                f"{100 * c['score']['std']:.1f} | {len(c['seeds'])} | {c['epochs_to_best']:.1f} | "
-                f"{c['seconds_to_best']:.0f} s | {relative} |"
+                f"| {task} | {c['method']} | {c['trainable_params']:,} ({c['trainable_percent']:.4f}%) | "
+                f"{c['chosen_lr']:g} | {grid} | {100 * c['score']['mean']:.1f} ± {100 * c['score']['std']:.1f} | "
+                f"{len(c['seeds'])} | {c['epochs_to_best']:.1f} | {c['seconds_to_best']:.0f} s | {relative} |"
             )
         for r in (r for r in references if r["task"] == task):
-            lines.append(f"| {task} | {r['method']} | - | - | {100 * r['test']['score']:.1f} | - | 0 | - | - |")
+            lines.append(f"| {task} | {r['method']} | 0 | - | - | {100 * r['test']['score']:.1f} | - | 0 | - | - |")
+    if len(tasks) > 1:
+        lines += _average_rows(cells, tasks)
     return "\n".join(lines) + "\n"
+
+
+def _average_rows(cells: list[dict[str, Any]], tasks: list[str]) -> list[str]:
+    """One row per method with a cell on every task: mean test score and mean time to best (vs CaPT's mean)."""
+    by_method: dict[str, dict[str, dict[str, Any]]] = {}
+    for c in cells:
+        by_method.setdefault(c["method"], {})[c["task"]] = c
+    complete = {m: [row[t] for t in tasks] for m, row in by_method.items() if set(tasks) <= set(row)}
+    capt_time = statistics.fmean(c["seconds_to_best"] for c in complete["capt"]) if "capt" in complete else None
+    rows = []
+    for method, row in complete.items():
+        score = superglue_average({c["task"]: c["score"]["mean"] for c in row})
+        seconds = statistics.fmean(c["seconds_to_best"] for c in row)
+        relative = f"{seconds / capt_time:.2f}x" if capt_time else "n/a"
+        rows.append(f"| average | {method} | - | - | - | {100 * score:.1f} | - | - | {seconds:.0f} s | {relative} |")
+    return rows
