@@ -119,6 +119,16 @@ class CaptModel(nn.Module):
             input_ids=input_ids, attention_mask=attention_mask, labels=labels, instance_mask=instance_mask, **kwargs
         )
 
+    def auxiliary_loss(self) -> torch.Tensor | None:
+        """The active method's auxiliary training loss from the last forward pass, to add to the task loss (SMoP's
+        load balancing); None for methods without one, and in evaluation.
+
+        Example:
+            >>> loss = task_loss + (model.auxiliary_loss() or 0)  # doctest: +SKIP
+        """
+        hook = getattr(self.capsules, "auxiliary_loss", None)
+        return hook() if hook is not None else None
+
     def generate(
         self,
         input_ids: torch.Tensor | None = None,

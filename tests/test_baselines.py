@@ -49,10 +49,10 @@ def _reference_prompt(module, method: str, embeds: torch.Tensor, mask: torch.Ten
         u = head(module.u).view(-1, o.length, o.rank)
         v = head(module.v).view(-1, o.rank, embeds.shape[-1])
         return module.shared * torch.sigmoid(torch.einsum("bmr,brd->bmd", u, v))
-    if method in ("idpg", "m-idpg"):
-        h = torch.relu(pooled @ module.down.weight.T + module.down.bias)
-        up = module.up[layer if o.every_layer else 0]
-        return (h @ up.weight.T + up.bias).view(len(embeds), o.length, -1)
+    if method in ("idpg", "m-idpg"):  # one generator, a bias per prompted layer (the authors' `layerb`)
+        h = torch.nn.functional.gelu(pooled @ module.down.weight.T + module.down.bias)
+        bias = module.layer_bias[layer if o.every_layer else 0]
+        return (h @ module.up.weight.T).view(len(embeds), o.length, -1) + bias
     if method == "smop":
         probs = torch.softmax(pooled @ module.router.weight.T, -1)  # the router has no bias
         k = probs.argmax(-1)
@@ -70,7 +70,7 @@ def _layer_input(args: tuple, kwargs: dict) -> torch.Tensor:
 
 
 def _dept_offsets(module, length: int) -> torch.Tensor:
-    update = module.secondary["a"] @ module.secondary["b"]
+    update = module.options.alpha / module.options.rank**0.5 * (module.secondary["a"] @ module.secondary["b"])
     rows = torch.zeros(length, update.shape[-1])
     rows[: min(length, len(update))] = update[:length]
     return rows
@@ -191,6 +191,59 @@ def test_smop_routes_top1_and_perturbs_the_router_in_training_only():
     assert any(not torch.allclose(trained[0], t) for t in trained[1:])
 
 
+def test_smop_load_balancing_loss_equals_the_authors_formula():
+    """0.01 * k * sum_j mean_b(p_bj) * f_j, f_j the share of the batch routed to prompt j (noise off to compare)."""
+    model = capt.get_capt_model(
+        build("llama"), capt.CaptConfig(prompt_method="smop", prompt_options={**SMALL["smop"], "noise_std": 0.0})
+    )
+    module = model.capsules
+    with torch.no_grad():
+        module.router.weight.normal_(generator=torch.Generator().manual_seed(3))
+    inputs = batch_inputs("llama", batch=6)
+    inputs["attention_mask"][2, 5:] = 0
+    model.eval()(**inputs)
+    assert model.auxiliary_loss() is None  # evaluation mode: no balancing loss
+    model.train()
+    model(**inputs)
+    embeds = model.base_model.get_input_embeddings()(inputs["input_ids"])
+    mask = inputs["attention_mask"].float()
+    pooled = (embeds * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+    probs = torch.softmax(pooled @ module.router.weight.T, -1)
+    share = [(probs.argmax(-1) == j).float().mean() for j in range(3)]
+    expected = 0.01 * 3 * sum(probs[:, j].mean() * share[j] for j in range(3))
+    torch.testing.assert_close(model.auxiliary_loss(), expected)
+    model.auxiliary_loss().backward()
+    assert module.router.weight.grad.abs().sum() > 0  # it trains the router
+    off = capt.get_capt_model(
+        build("llama"), capt.CaptConfig(prompt_method="smop", prompt_options={"balance_weight": 0})
+    )
+    off.train()(**inputs)
+    assert off.auxiliary_loss() is None
+
+
+def test_training_adds_the_methods_auxiliary_loss():
+    """The recipe's training loss is the task loss plus `auxiliary_loss()` (SMoP); methods without one get none."""
+    from capt.recipes.backbones import load_backbone
+    from capt.recipes.data import Example
+    from capt.recipes.formats import make_format
+    from capt.recipes.train import training_loss
+
+    examples = [Example("rte", i, {"premise": f"a b {i}", "hypothesis": "c d"}, i % 2) for i in range(4)]
+    for method, has_auxiliary in (("smop", True), ("idpg", False)):
+        backbone = load_backbone("tiny-llama")
+        fmt = make_format(backbone.family, "rte", backbone.tokenizer, 64)
+        batch = fmt.collate([fmt.encode(ex) for ex in examples])
+        model = apply_method(backbone, method).train()
+        torch.manual_seed(0)
+        total, auxiliary = training_loss(fmt, model, batch)
+        torch.manual_seed(0)  # the same router noise again
+        task = fmt.loss(model, batch)
+        assert (auxiliary is not None) == has_auxiliary
+        torch.testing.assert_close(total, task + model.auxiliary_loss() if has_auxiliary else task)
+        if has_auxiliary:
+            assert auxiliary.item() > 0
+
+
 def test_residual_prompt_folds_into_plain_prompts(tmp_adapter):
     model = _model("llama", "residual")
     inputs = batch_inputs("llama")
@@ -230,8 +283,23 @@ def test_parameter_count_follows_the_papers_formula(method, family):
 
 def test_dept_defaults_are_the_papers():
     options = make_options("dept", None)
-    assert (options.length, options.rank, options.positions) == (60, 30, 256)
+    assert (options.length, options.rank, options.positions, options.alpha) == (60, 30, 256, 8.0)
     assert options.parameter_count(768, 12) == 100 * 768  # the budget of a 100-token prompt on T5-Base
+
+
+def test_m_idpg_count_is_the_authors_layerb_form():
+    """One generator for all layers plus a bias table per layer: d b + b + b m d + L m d (SmolLM2: L 30, d 576)."""
+    from transformers import LlamaForCausalLM
+
+    from capt.recipes.backbones import random_config
+
+    with torch.device("meta"):
+        base = LlamaForCausalLM(random_config("llama", layers=30, width=576, heads=4, vocab=101))
+    d, b, m, layers = 576, 16, 5, 30
+    for method, biases in (("m-idpg", layers), ("idpg", 1)):
+        model = capt.get_capt_model(base, capt.CaptConfig(prompt_method=method))
+        assert model.get_nb_trainable_parameters()[0] == d * b + b + b * m * d + biases * m * d
+        model.unload()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -273,3 +341,12 @@ def test_dept_low_rank_pair_gets_its_own_learning_rate():
     groups = {g["lr"]: {id(p) for p in g["params"]} for g in optimizer.param_groups}
     assert groups[0.3] == {id(model.capsules.prompt)}
     assert groups[1e-4] == {id(p) for p in model.capsules.secondary.values()}
+
+
+@pytest.mark.parametrize(
+    "method, field, value",
+    [("smop", "balance_weight", -0.1), ("smop", "noise_std", "1"), ("dept", "alpha", 0), ("dept", "alpha", True)],
+)
+def test_bad_number_options_name_the_field(method, field, value):
+    with pytest.raises(ValueError, match=rf"Options\.{field} must be a number"):
+        make_options(method, {field: value})

@@ -1,8 +1,10 @@
 """IDPG / M-IDPG: a bottleneck generator maps the sentence representation to the prompt tokens.
 
-    P(x) = W_up ReLU(W_down s(x) + b_down) + b_up,   s(x) = masked mean of the input embeddings
+    P_l(x) = W_up GELU(W_down s(x) + b_down) + b_l,   s(x) = masked mean of the input embeddings
 
-M-IDPG has one output projection per layer; all layers read the same s(x), taken at the first layer.
+One generator (W_down, b_down, W_up) serves every layer; each prompted layer l has its own bias b_l (m x d). IDPG
+prompts the input layer only (one bias); M-IDPG every layer, the authors' `--middle-prompt-mode layerb`
+(CSerxy/IDPG, `fairseq/modules/transformer_sentence_encoder.py`). All layers read the same s(x), from layer 0.
 """
 
 from __future__ import annotations
@@ -19,14 +21,13 @@ class IDPGPrompt(nn.Module):
         super().__init__()
         self.options = options
         self.down = nn.Linear(hidden, options.bottleneck, device=device)
-        outputs = num_layers if options.every_layer else 1
-        self.up = nn.ModuleList(
-            nn.Linear(options.bottleneck, options.length * hidden, device=device) for _ in range(outputs)
-        )
-        self._features: torch.Tensor | None = None  # ReLU(W_down s(x)) of the current pass, set at layer 0
+        self.up = nn.Linear(options.bottleneck, options.length * hidden, bias=False, device=device)
+        layers = num_layers if options.every_layer else 1
+        self.layer_bias = nn.Parameter(torch.zeros(layers, options.length, hidden, device=device))
+        self._generated: torch.Tensor | None = None  # W_up GELU(...) of the current pass, set at layer 0
 
     def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if layer == 0:
-            self._features = torch.relu(self.down(pooled_input(hidden, weights, self.down.weight.dtype)))
-        up = self.up[layer if self.options.every_layer else 0]
-        return up(self._features).view(hidden.shape[0], self.options.length, -1).to(hidden.dtype)
+        if layer == 0:  # the generator runs once per pass; deeper layers add their bias to its output
+            features = nn.functional.gelu(self.down(pooled_input(hidden, weights, self.down.weight.dtype)))
+            self._generated = self.up(features).view(hidden.shape[0], self.options.length, -1)
+        return (self._generated + self.layer_bias[layer if self.options.every_layer else 0]).to(hidden.dtype)

@@ -21,6 +21,13 @@ def _positive(owner: object, *names: str) -> None:
             raise ValueError(f"{type(owner).__name__}.{name} must be a positive integer, got {value!r}")
 
 
+def _number(owner: object, name: str, zero_allowed: bool) -> None:
+    value = getattr(owner, name)
+    bound = ">= 0" if zero_allowed else "> 0"
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (value >= 0 if zero_allowed else value > 0):
+        raise ValueError(f"{type(owner).__name__}.{name} must be a number {bound}, got {value!r}")
+
+
 class _SoftPrompt:
     """What every prompt method's options tell the slot machinery: `length` slots, written at the input layer
     unless a subclass says `every_layer`."""
@@ -35,15 +42,17 @@ class _SoftPrompt:
 @dataclass(frozen=True)
 class DePTOptions(_SoftPrompt):
     """DePT (Shi & Lipani, ICLR 2024): a soft prompt of `length` tokens plus A (positions x rank) @ B (rank x d)
-    added to the first `positions` input token embeddings. T5-Base defaults: m=60, r=30, s=256 (76,800 parameters,
-    the budget of a 100-token prompt)."""
+    added to the first `positions` input token embeddings, scaled by `alpha / sqrt(rank)` as in the authors' code.
+    T5-Base defaults: m=60, r=30, s=256 (76,800 parameters, the budget of a 100-token prompt), alpha 8."""
 
     length: int = 60
     rank: int = 30
     positions: int = 256
+    alpha: float = 8.0  # the authors' lora_alpha (PromptTuningLoRAConfig default; train.py never sets it)
 
     def __post_init__(self) -> None:
         _positive(self, "length", "rank", "positions")
+        _number(self, "alpha", zero_allowed=False)
 
     def parameter_count(self, hidden: int, layers: int) -> int:
         return self.length * hidden + self.rank * (self.positions + hidden)
@@ -70,9 +79,10 @@ class LoPAOptions(_SoftPrompt):
 
 @dataclass(frozen=True)
 class IDPGOptions(_SoftPrompt):
-    """IDPG / M-IDPG (Wu et al., NAACL 2022): a bottleneck generator d -> `bottleneck` (16; ReLU) -> length x d maps the
-    sentence representation (masked mean of the input embeddings) to the prompt, at the input layer (IDPG) or with
-    one output projection per layer (M-IDPG, `every_layer=True`)."""
+    """IDPG / M-IDPG (Wu et al., NAACL 2022): a bottleneck generator d -> `bottleneck` (16; GELU) -> length x d maps the
+    sentence representation (masked mean of the input embeddings) to the prompt, at the input layer (IDPG) or at
+    every layer (M-IDPG, `every_layer=True`): one generator for all layers plus a bias per layer, the authors'
+    `layerb` form. Count: d b + b + b m d + (1 or L) m d."""
 
     length: int = 5
     bottleneck: int = 16  # the authors' scripts: --phm-bottleneck-dim 16 for both generators
@@ -82,24 +92,26 @@ class IDPGOptions(_SoftPrompt):
         _positive(self, "length", "bottleneck")
 
     def parameter_count(self, hidden: int, layers: int) -> int:
-        outputs = layers if self.every_layer else 1
-        return hidden * self.bottleneck + self.bottleneck + outputs * (self.bottleneck + 1) * self.length * hidden
+        biases = layers if self.every_layer else 1
+        return hidden * self.bottleneck + self.bottleneck + (self.bottleneck + biases) * self.length * hidden
 
 
 @dataclass(frozen=True)
 class SMoPOptions(_SoftPrompt):
     """SMoP (Choi et al., EMNLP 2023): `num_prompts` prompts of `length` tokens; a linear router on the pooled input
     picks one (top-1), scaled by its probability; in training scaled Gaussian noise (std `noise_std`, relative to
-    each logit) perturbs the router logits. The router has no bias, as in the authors' code."""
+    each logit) perturbs the router logits, and a load-balancing loss of weight `balance_weight` (0.01, 0 turns it
+    off) joins the task loss. The router has no bias, as in the authors' code."""
 
     num_prompts: int = 4
     length: int = 5
     noise_std: float = 1.0
+    balance_weight: float = 0.01  # the authors' alpha (`load_balancing=True`)
 
     def __post_init__(self) -> None:
         _positive(self, "num_prompts", "length")
-        if self.noise_std < 0:
-            raise ValueError(f"SMoPOptions.noise_std must be >= 0, got {self.noise_std}")
+        _number(self, "noise_std", zero_allowed=True)
+        _number(self, "balance_weight", zero_allowed=True)
 
     def parameter_count(self, hidden: int, layers: int) -> int:
         return self.num_prompts * self.length * hidden + hidden * self.num_prompts

@@ -63,7 +63,9 @@ DEFAULT_LR = {
 }
 
 
-DEFAULT_LR_SECONDARY = 1e-4
+# DePT's second learning rate (its low-rank pair): the smallest of the authors' grid {5e-4, 5e-3, 3e-1}
+# (ZhengxiangShi/DePT README), below the prompt's at every learning rate the study tries.
+DEFAULT_LR_SECONDARY = 5e-4
 
 
 @dataclass

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import extract_model_from_parallel, set_seed
 from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
@@ -31,6 +31,7 @@ from transformers.optimization import Adafactor
 from ..model import CaptModel, count_parameters
 from ..saving import atomic_write, atomic_write_text
 from .evaluate import encode_cached, evaluate, load_splits, to_device
+from .formats import TaskFormat
 from .reporting import MetricsLog, plot_learning_curves
 from .run import (
     ADAPTER_DIR,
@@ -165,7 +166,7 @@ class TrainingRecipe:
             indices = batches[position][accelerator.process_index :: accelerator.num_processes]
             batch = to_device(self.fmt.collate([self.features["train"][i] for i in indices]), accelerator.device)
             with accelerator.accumulate(model):
-                loss = self.fmt.loss(model, batch)
+                loss, auxiliary = training_loss(self.fmt, model, batch)
                 if not torch.isfinite(loss):
                     raise FloatingPointError(
                         f"loss is {loss.item()} at epoch {epoch}, step {progress.step + 1} (training examples "
@@ -179,7 +180,10 @@ class TrainingRecipe:
             progress.step, progress.batch = progress.step + 1, position + 1
             if self.log:
                 lr = self.scheduler.get_last_lr()[0]
-                self.log.write({"kind": "step", "epoch": epoch, "step": progress.step, "loss": loss.item(), "lr": lr})
+                record = {"kind": "step", "epoch": epoch, "step": progress.step, "loss": loss.item(), "lr": lr}
+                if auxiliary is not None:  # in metrics.jsonl only: `loss` includes it
+                    record["auxiliary_loss"] = auxiliary.item()
+                self.log.write(record)
             every = self.config.checkpoint_every
             if every and progress.step % every == 0 and accelerator.sync_gradients:
                 progress.elapsed_s = time.time() - self.started
@@ -289,6 +293,15 @@ class TrainingRecipe:
             self.log.close()
             plot_learning_curves(self.out)
         return results
+
+
+def training_loss(fmt: TaskFormat, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(loss, auxiliary) of one training batch: the task loss plus the method's auxiliary loss where it has one
+    (`auxiliary_loss()` of the model, as `CaptModel` offers; SMoP's load balancing), and that auxiliary part."""
+    loss = fmt.loss(model, batch)
+    hook = getattr(extract_model_from_parallel(model), "auxiliary_loss", None)
+    auxiliary = hook() if hook is not None else None
+    return (loss if auxiliary is None else loss + auxiliary), auxiliary
 
 
 # Settings a resumed run may change: where files live, how often it checkpoints, and --epochs (to extend a run;
