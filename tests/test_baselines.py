@@ -310,7 +310,11 @@ def test_bottleneck_adapters_follow_houlsby(family):
     sublayers = {"llama": 2 * 3, "t5": 2 * 2 + 3 * 2, "bert-cls": 2 * 3}[family]
     assert len(adapters) == sublayers
     head = sum(p.numel() for n, p in model.named_parameters() if "classifier" in n)
-    assert model.num_parameters(only_trainable=True) == AdapterOptions(4).parameter_count(32, sublayers) + head
+    # The layer norms train too, as in Houlsby et al.'s code. d = 32: BERT, 2 LayerNorms (weight + bias) per layer
+    # and the embeddings'; Llama, 2 RMSNorms per layer and the final one; T5, a norm per sublayer and per stack.
+    norms = {"bert-cls": (3 * 2 + 1) * 2 * 32, "llama": (3 * 2 + 1) * 32, "t5": (2 * 2 + 1 + 2 * 3 + 1) * 32}[family]
+    expected = AdapterOptions(4).parameter_count(32, sublayers, norms) + head
+    assert model.num_parameters(only_trainable=True) == expected
     inputs = batch_inputs(family)
     with torch.no_grad():
         untouched = model(**inputs).logits  # up starts at zero: the identity

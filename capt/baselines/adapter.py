@@ -1,5 +1,6 @@
 """Bottleneck adapters (Houlsby et al., 2019) on module hooks: h + up(GELU(down(h))) after every attention and
-feed-forward sublayer, before its residual sum.
+feed-forward sublayer, before its residual sum. As in the authors' code (google-research/adapter-bert,
+`optimization.py`: the "adapters", "layer_norm" and "head" collections train), the model's layer norms train too.
 
 The `adapters` library (AdapterHub) would be the well-kept choice, but its latest release (1.3.0) pins
 transformers ~= 4.57, and this project runs transformers 5.x; PEFT has no Houlsby adapter.
@@ -20,6 +21,10 @@ SUBLAYER_OUTPUTS = (
     ("layer.0.SelfAttention.o", "layer.1.DenseReluDense.wo"),  # T5 encoder block
     ("layer.0.SelfAttention.o", "layer.1.EncDecAttention.o", "layer.2.DenseReluDense.wo"),  # T5 decoder block
 )
+
+
+# How the norm classes of the supported families are named (nn.LayerNorm subclasses aside): LlamaRMSNorm, T5LayerNorm.
+NORM_SUFFIXES = ("LayerNorm", "RMSNorm")
 
 
 class BottleneckAdapter(nn.Module):
@@ -61,6 +66,19 @@ def add_adapters(layers: nn.ModuleList, hidden: int, options: AdapterOptions) ->
             projection.register_forward_hook(_run_adapter)
             added.append(projection.adapter)
     return added
+
+
+def train_layer_norms(model: nn.Module) -> list[nn.Parameter]:
+    """Make the parameters of every layer norm in `model` (LayerNorm, RMSNorm, T5LayerNorm) trainable; returns them.
+
+    Example:
+        >>> norms = train_layer_norms(model)  # doctest: +SKIP
+    """
+    norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm) or type(m).__name__.endswith(NORM_SUFFIXES)]
+    params = [p for norm in norms for p in norm.parameters(recurse=False)]
+    for param in params:
+        param.requires_grad_(True)
+    return params
 
 
 def _run_adapter(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:

@@ -120,11 +120,11 @@ class SMoPOptions(_SoftPrompt):
 @dataclass(frozen=True)
 class ResidualPromptOptions(_SoftPrompt):
     """Residual Prompt Tuning (Razdaibiedina et al., ACL 2023): P' = P + LayerNorm(up(ReLU(down(P)))), one MLP
-    (bottleneck `bottleneck`) shared by the `length` tokens. `reparameterize=False` is the folded form: plain
-    prompts P', what `fold_residual_prompt` leaves after training."""
+    (bottleneck `bottleneck`, 800 as in the authors' code) shared by the `length` tokens. `reparameterize=False` is
+    the folded form: plain prompts P', what `fold_residual_prompt` leaves after training."""
 
     length: int = 10
-    bottleneck: int = 400
+    bottleneck: int = 800  # arazd/ResidualPrompts train.py: --bottleneck_size 800, which its example commands keep
     reparameterize: bool = True
 
     def __post_init__(self) -> None:
@@ -138,16 +138,22 @@ class ResidualPromptOptions(_SoftPrompt):
 @dataclass(frozen=True)
 class AdapterOptions:
     """Bottleneck adapters (Houlsby et al., 2019): h + up(GELU(down(h))) after the attention and the feed-forward
-    sublayer of every layer; `up` starts at zero, so the untrained adapter is the identity."""
+    sublayer of every layer; `up` starts at zero, so the untrained adapter is the identity. With `train_norms` (the
+    authors' setting) the model's layer-norm parameters train too."""
 
     bottleneck: int = 64
+    train_norms: bool = True
 
     def __post_init__(self) -> None:
         _positive(self, "bottleneck")
+        if not isinstance(self.train_norms, bool):
+            raise ValueError(f"AdapterOptions.train_norms must be true or false, got {self.train_norms!r}")
 
-    def parameter_count(self, hidden: int, sublayers: int) -> int:
-        """`sublayers`: 2 per encoder or decoder-only layer, 3 per T5 decoder layer (cross-attention too)."""
-        return sublayers * (2 * hidden * self.bottleneck + self.bottleneck + hidden)
+    def parameter_count(self, hidden: int, sublayers: int, norm_params: int = 0) -> int:
+        """`sublayers`: 2 per encoder or decoder-only layer, 3 per T5 decoder layer (cross-attention too);
+        `norm_params`: the model's layer-norm parameters, counted when `train_norms`."""
+        adapters = sublayers * (2 * hidden * self.bottleneck + self.bottleneck + hidden)
+        return adapters + (norm_params if self.train_norms else 0)
 
 
 PROMPT_OPTIONS = {

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from ..baselines.adapter import add_adapters
+from ..baselines.adapter import add_adapters, train_layer_norms
 from ..baselines.options import PROMPT_OPTIONS, AdapterOptions
 from ..config import CaptConfig
 from ..model import get_capt_model
@@ -120,12 +120,15 @@ def extra_positions(method: str, options: MethodOptions) -> int:
 
 
 def _with_adapters(base: nn.Module, options: MethodOptions) -> nn.Module:
-    """Houlsby adapters in every layer of every stack (a T5 encoder and decoder); the task head trains too."""
+    """Houlsby adapters in every layer of every stack (a T5 encoder and decoder); the layer norms and the task head
+    train too."""
     base.requires_grad_(False)
     adapter_options = AdapterOptions(**({"bottleneck": options.bottleneck} if options.bottleneck else {}))
     target = "both" if getattr(base.config, "is_encoder_decoder", False) else "auto"
     for site in find_sites(base, CaptConfig(target=target)):
         add_adapters(site.layers, hidden_size(base), adapter_options)
+    if adapter_options.train_norms:
+        train_layer_norms(base)
     head = _classifier_name(base)
     if head is not None:
         base.get_submodule(head).requires_grad_(True)
