@@ -56,14 +56,14 @@ class CaptModel(nn.Module):
         self.injector = CapsuleInjector(base_model, config, owner=self)
         self.active_adapter = adapter_name
         self.adapter_configs: dict[str, CaptConfig] = {adapter_name: config}
-        self.capsules = self._new_capsules(config)
         self.stored_capsules = nn.ModuleDict()  # the loaded adapters that are not active
-        base_model.requires_grad_(False)
-        try:
+        try:  # a config that does not fit the model leaves the model without hooks
+            self.capsules = self._new_capsules(config)
             names = resolve_head_names(base_model, config.modules_to_save)
         except ValueError:
             self.injector.detach()
             raise
+        base_model.requires_grad_(False)
         self.heads = TaskHeads(base_model, names, row_adapters=lambda: self.injector.row_adapters)
         self.heads.install_new()
         # Trainer keeps only the dataset columns that forward's signature names: advertise the base model's inputs.

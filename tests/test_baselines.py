@@ -26,8 +26,9 @@ SMALL = {
 FAMILIES = ("llama", "t5", "bert-cls")
 
 
-def _model(family: str, method: str, seed: int = 1):
-    model = capt.get_capt_model(build(family), capt.CaptConfig(prompt_method=method, prompt_options=SMALL[method]))
+def _model(family: str, method: str, seed: int = 1, options: dict | None = None):
+    config = capt.CaptConfig(prompt_method=method, prompt_options=options or SMALL[method])
+    model = capt.get_capt_model(build(family), config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # non-zero everywhere (DePT's B and the adapters' up start at zero)
         for param in model.capsules.parameters():
@@ -50,9 +51,9 @@ def _reference_prompt(module, method: str, embeds: torch.Tensor, mask: torch.Ten
         v = head(module.v).view(-1, o.rank, embeds.shape[-1])
         return module.shared * torch.sigmoid(torch.einsum("bmr,brd->bmd", u, v))
     if method in ("idpg", "m-idpg"):  # one generator, a bias per prompted layer (the authors' `layerb`)
-        h = torch.nn.functional.gelu(pooled @ module.down.weight.T + module.down.bias)
+        h = torch.nn.functional.gelu(pooled @ _matrix(module.down) + module.down.bias)
         bias = module.layer_bias[layer if o.every_layer else 0]
-        return (h @ module.up.weight.T).view(len(embeds), o.length, -1) + bias
+        return (h @ _matrix(module.up)).view(len(embeds), o.length, -1) + bias
     if method == "smop":
         probs = torch.softmax(pooled @ module.router.weight.T, -1)  # the router has no bias
         k = probs.argmax(-1)
@@ -63,6 +64,13 @@ def _reference_prompt(module, method: str, embeds: torch.Tensor, mask: torch.Ten
         z = (z - z.mean(-1, keepdim=True)) / torch.sqrt(z.var(-1, unbiased=False, keepdim=True) + norm.eps)
         return (module.prompt + z * norm.weight + norm.bias).expand(len(embeds), -1, -1)
     raise AssertionError(method)
+
+
+def _matrix(linear) -> torch.Tensor:
+    """The (in, out) matrix of a generator layer: a PHM layer's sum of Kronecker products, or a Linear's W^T."""
+    if hasattr(linear, "rules"):
+        return sum(torch.kron(rule, factor) for rule, factor in zip(linear.rules, linear.factors, strict=True))
+    return linear.weight.T
 
 
 def _layer_input(args: tuple, kwargs: dict) -> torch.Tensor:
@@ -76,11 +84,15 @@ def _dept_offsets(module, length: int) -> torch.Tensor:
     return rows
 
 
+INPUT_LAYER_CASES = [(m, None) for m in PROMPT_METHODS if m != "m-idpg"] + [("idpg", {"length": 3, "phm": 4})]
+
+
 @pytest.mark.parametrize("family", ["llama", "t5"])
-@pytest.mark.parametrize("method", [m for m in PROMPT_METHODS if m != "m-idpg"])
-def test_input_layer_prompt_equals_prepending_it_to_the_embeddings(family, method):
-    """An input-layer method is the base model run on [prompt(x) ; E (+ DePT's update)] as inputs_embeds."""
-    model = _model(family, method)
+@pytest.mark.parametrize("method, options", INPUT_LAYER_CASES)
+def test_input_layer_prompt_equals_prepending_it_to_the_embeddings(family, method, options):
+    """An input-layer method is the base model run on [prompt(x) ; E (+ DePT's update)] as inputs_embeds. The PHM
+    generator of IDPG is checked against torch.kron sums."""
+    model = _model(family, method, options=options)
     inputs = batch_inputs(family, length=20)
     with torch.no_grad():
         ours = model(**inputs).logits
@@ -295,10 +307,15 @@ def test_m_idpg_count_is_the_authors_layerb_form():
 
     with torch.device("meta"):
         base = LlamaForCausalLM(random_config("llama", layers=30, width=576, heads=4, vocab=101))
-    d, b, m, layers = 576, 16, 5, 30
+    d, b, m, layers, n = 576, 16, 5, 30, 16
     for method, biases in (("m-idpg", layers), ("idpg", 1)):
         model = capt.get_capt_model(base, capt.CaptConfig(prompt_method=method))
         assert model.get_nb_trainable_parameters()[0] == d * b + b + b * m * d + biases * m * d
+        model.unload()
+        # The PHM generator (n = 16): each matrix is n rules of n x n plus n factors of (rows / n) x (cols / n).
+        model = capt.get_capt_model(base, capt.CaptConfig(prompt_method=method, prompt_options={"phm": n}))
+        phm = n**3 + d * b // n + b + n**3 + b * m * d // n + biases * m * d
+        assert model.get_nb_trainable_parameters()[0] == phm == {"idpg": 14_544, "m-idpg": 98_064}[method]
         model.unload()
 
 
@@ -345,6 +362,15 @@ def test_dept_low_rank_pair_gets_its_own_learning_rate():
     groups = {g["lr"]: {id(p) for p in g["params"]} for g in optimizer.param_groups}
     assert groups[0.3] == {id(model.capsules.prompt)}
     assert groups[1e-4] == {id(p) for p in model.capsules.secondary.values()}
+
+
+def test_phm_terms_must_divide_the_widths():
+    with pytest.raises(ValueError, match=r"IDPGOptions\.phm \(3\) must divide the bottleneck"):
+        make_options("idpg", {"phm": 3})
+    options, base = {"phm": 12, "bottleneck": 24}, build("llama")
+    with pytest.raises(ValueError, match=r"IDPGOptions\.phm \(12\) must divide the model's hidden size \(32\)"):
+        capt.get_capt_model(base, capt.CaptConfig(prompt_method="idpg", prompt_options=options))
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in base.modules())  # left as it was
 
 
 @pytest.mark.parametrize(

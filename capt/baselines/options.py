@@ -82,18 +82,35 @@ class IDPGOptions(_SoftPrompt):
     """IDPG / M-IDPG (Wu et al., NAACL 2022): a bottleneck generator d -> `bottleneck` (16; GELU) -> length x d maps the
     sentence representation (masked mean of the input embeddings) to the prompt, at the input layer (IDPG) or at
     every layer (M-IDPG, `every_layer=True`): one generator for all layers plus a bias per layer, the authors'
-    `layerb` form. Count: d b + b + b m d + (1 or L) m d."""
+    `layerb` form. Count: d b + b + b m d + (1 or L) m d.
+
+    `phm=n > 0` is the paper's PHM generator (n = 16 in the authors' scripts): each of its two matrices is
+    sum_i kron(S_i, W_i) over n terms, S_i n x n, so d b becomes n^3 + d b / n and b m d becomes n^3 + b m d / n.
+    n must divide d, b and m d."""
 
     length: int = 5
     bottleneck: int = 16  # the authors' scripts: --phm-bottleneck-dim 16 for both generators
     every_layer: bool = False
+    phm: int = 0  # the authors' --generation-quaternions; 0 = the plain (DNN) generator
 
     def __post_init__(self) -> None:
         _positive(self, "length", "bottleneck")
+        if not isinstance(self.phm, int) or isinstance(self.phm, bool) or self.phm < 0:
+            raise ValueError(f"IDPGOptions.phm must be an integer >= 0, got {self.phm!r}")
+        if self.phm and self.bottleneck % self.phm:
+            raise ValueError(f"IDPGOptions.phm ({self.phm}) must divide the bottleneck ({self.bottleneck})")
+
+    def check_width(self, hidden: int) -> None:
+        """Raise ValueError unless the PHM terms divide the model width d (and so m d)."""
+        if self.phm and hidden % self.phm:
+            raise ValueError(f"IDPGOptions.phm ({self.phm}) must divide the model's hidden size ({hidden})")
 
     def parameter_count(self, hidden: int, layers: int) -> int:
         biases = layers if self.every_layer else 1
-        return hidden * self.bottleneck + self.bottleneck + (self.bottleneck + biases) * self.length * hidden
+        down, up = hidden * self.bottleneck, self.bottleneck * self.length * hidden
+        if self.phm:
+            down, up = self.phm**3 + down // self.phm, self.phm**3 + up // self.phm
+        return down + self.bottleneck + up + biases * self.length * hidden
 
 
 @dataclass(frozen=True)
