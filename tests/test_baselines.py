@@ -256,6 +256,23 @@ def test_training_adds_the_methods_auxiliary_loss():
             assert auxiliary.item() > 0
 
 
+def test_capt_train_logs_and_trains_on_the_auxiliary_loss(tmp_path, monkeypatch):
+    """`capt train --method smop`: every step's logged loss includes the balancing loss, logged beside it."""
+    import json
+    from pathlib import Path
+
+    from capt.recipes.cli import main
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # the tokenisation cache lives under ~/.cache/capt
+    data = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "superglue"
+    out = tmp_path / "run"
+    argv = ["train", "--model", "tiny-llama", "--task", "cb", "--method", "smop", "--epochs", "1", "--batch-size", "8"]
+    argv += ["--limit-train", "16", "--limit-eval", "8", "--data-dir", str(data), "--output-dir", str(out)]
+    assert main(argv) == 0
+    steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"]
+    assert steps and all(0 < r["auxiliary_loss"] < r["loss"] for r in steps)
+
+
 def test_residual_prompt_folds_into_plain_prompts(tmp_adapter):
     model = _model("llama", "residual")
     inputs = batch_inputs("llama")
