@@ -13,7 +13,10 @@ share this machinery. Once attached, the model itself behaves as a CaPT model, w
 2. `model.generate` is shadowed by `CapsuleInjector.generate`, which does the same once, for the prompt.
 3. A forward pre-hook on the module owning the layers (BertEncoder, T5Stack, LlamaModel, ...) turns the instance
    mask into mean weights once per pass. It is active only when the pass holds the slot: the first (prefill)
-   pass of generation, never a decode step, whose slot already sits in the KV cache.
+   pass of generation, never a decode step, whose slot already sits in the KV cache. A T5 encoder runs on
+   right-aligned rows (each row's leading pads moved behind its tokens; its forward hook puts the columns back):
+   T5 has no position ids, and its relative position bias would otherwise put the slot as far from the first
+   token as the row has pads.
 4. A forward pre-hook on every layer overwrites the slot rows of the layer input with
    `S_i = p_i + Mean(instance tokens [+ slot output of layer i-1])`, out of place, with the capsules of each row's
    adapter. The owner's slot module computes the rows (`module(layer, hidden, weights)`): `Capsules`, or a prompt
