@@ -13,7 +13,10 @@ share this machinery. Once attached, the model itself behaves as a CaPT model, w
 2. `model.generate` is shadowed by `CapsuleInjector.generate`, which does the same once, for the prompt.
 3. A forward pre-hook on the module owning the layers (BertEncoder, T5Stack, LlamaModel, ...) turns the instance
    mask into mean weights once per pass. It is active only when the pass holds the slot: the first (prefill)
-   pass of generation, never a decode step, whose slot already sits in the KV cache.
+   pass of generation, never a decode step, whose slot already sits in the KV cache. A T5 encoder runs on
+   right-aligned rows (each row's leading pads moved behind its tokens; its forward hook puts the columns back):
+   T5 has no position ids, and its relative position bias would otherwise put the slot as far from the first
+   token as the row has pads.
 4. A forward pre-hook on every layer overwrites the slot rows of the layer input with
    `S_i = p_i + Mean(instance tokens [+ slot output of layer i-1])`, out of place, with the capsules of each row's
    adapter. The owner's slot module computes the rows (`module(layer, hidden, weights)`): `Capsules`, or a prompt
@@ -47,6 +50,9 @@ from .slots import (
     insert_slots,
     positions_from_mask,
     prepend,
+    reorder_columns,
+    reorder_output,
+    right_aligned_order,
     strip_slots,
 )
 
@@ -102,6 +108,7 @@ class _PassState:
     rest_weights: torch.Tensor | None = None  # later layers: instance tokens and the slot output
     positions: torch.Tensor | None = None  # token positions from the first real token; -1 for slots and padding
     groups: RowGroups | None = None
+    order: torch.Tensor | None = None  # the column order the stack ran in (right-aligned T5 encoder); None: as given
 
 
 def input_module(model: PreTrainedModel) -> nn.Module:
@@ -176,6 +183,9 @@ class CapsuleInjector:
         self._argument_names = list(inspect.signature(entry.forward).parameters)
         # Decoder-only LMs are left-padded; encoders keep their own position scheme (RoBERTa counts from pad_id + 1).
         self._derives_positions = self.family == "decoder" and "position_ids" in self._argument_names
+        # T5's encoder takes no position ids: its relative position bias follows the columns. Before left pads, the
+        # slot would sit farther from the tokens the more pads a row has; the encoder runs right-aligned instead.
+        self._right_aligned_roles = {"encoder"} if self.family == "encoder-decoder" else set()
 
         self._hooks = [
             entry.register_forward_pre_hook(self._before_model, with_kwargs=True),
@@ -412,14 +422,25 @@ class CapsuleInjector:
             output = strip_slots(output, self.num_slots, self._output_fields(role), length)
         return output
 
-    def _before_stack(self, site: CapsuleSite, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _before_stack(
+        self, site: CapsuleSite, module: nn.Module, args: tuple, kwargs: dict
+    ) -> tuple[tuple, dict] | None:
         mask = self._instance_masks.get(site.role)
         if not (self.enabled and mask is not None and cache_is_empty(cache_of(kwargs))):
             self._states[site.role] = _PassState(active=False)
-            return
+            return None
         batch, length = batch_and_length(args, kwargs)
         mask = _fit_rows(mask, batch, length)
         tokens = _fit_rows(self._token_masks[site.role], batch, length)
+        order = right_aligned_order(tokens, self.num_slots) if site.role in self._right_aligned_roles else None
+        if order is not None:
+            mask, tokens = reorder_columns(mask, order, 1), reorder_columns(tokens, order, 1)
+            names = inspect.signature(module.forward).parameters
+            kwargs = {**dict(zip(names, args, strict=False)), **kwargs}
+            args = ()
+            for key in ("input_ids", "attention_mask", "inputs_embeds"):
+                if kwargs.get(key) is not None:
+                    kwargs[key] = reorder_columns(kwargs[key], order, 1)
         first = mask.float()
         rest = first.clone()
         rest[:, : self.num_slots] = 1.0
@@ -429,7 +450,9 @@ class CapsuleInjector:
             rest_weights=rest / rest.sum(-1, keepdim=True),
             positions=torch.where(tokens, tokens.long().cumsum(-1) - 1, -1),
             groups=group_rows(self.row_adapters or [self.owner.active_adapter], batch, mask.device),
+            order=order,
         )
+        return args, kwargs
 
     def _before_layer(self, site: CapsuleSite, position: int, module: nn.Module, args: tuple, kwargs: dict):
         state = self._states.get(site.role)
@@ -463,7 +486,11 @@ class CapsuleInjector:
     def _after_stack(self, site: CapsuleSite, module: nn.Module, args: tuple, output: Any) -> Any:
         # The pass over this stack is over (or failed): a layer called on its own later must find no slot to write.
         state = self._states.pop(site.role, None)
-        if not site.strips_output or state is None or not state.active:
+        if state is None or not state.active:
+            return output
+        if state.order is not None:  # back to the caller's columns, which the decoder's cross-attention mask follows
+            output = reorder_output(output, state.order.argsort(-1), STREAM_FIELDS["own"])
+        if not site.strips_output:
             return output
         return strip_slots(output, self.num_slots, STREAM_FIELDS["own"], state.first_weights.shape[-1])
 

@@ -6,6 +6,7 @@ encoder-decoder model, the decoder inputs (`decoder_input_ids`, ...). The slot o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -95,20 +96,65 @@ def insert_slots(inputs: dict[str, Any], prefix: str, n: int) -> None:
         inputs["token_type_ids"] = prepend(inputs["token_type_ids"], n, 0)
 
 
+def right_aligned_order(tokens: torch.Tensor, n: int) -> torch.Tensor | None:
+    """Column order that moves each row's leading padding behind its last column, the n slots staying in front.
+
+    `tokens` marks the real tokens of a (batch, n + length) stream. The order turns a left-padded batch into a
+    right-padded one, and changes no distance between the slots and the tokens or among the tokens. None when no
+    row starts with padding (nothing to move).
+    """
+    user = tokens[:, n:]
+    leading = (user.long().cumsum(-1) == 0).sum(-1)  # pads before the first real token; the width for an empty row
+    if not bool(leading.any()):
+        return None
+    width = user.shape[-1]
+    columns = (torch.arange(width, device=user.device) + leading[:, None]) % width + n
+    slots = torch.arange(n, device=user.device).expand(user.shape[0], n)
+    return torch.cat([slots, columns], dim=-1)
+
+
+def reorder_columns(tensor: torch.Tensor, order: torch.Tensor, dim: int) -> torch.Tensor:
+    """`tensor` with the columns of sequence axis `dim` taken in each row's `order` (batch, length)."""
+    dim = dim % tensor.ndim
+    shape = [order.shape[0] if axis == 0 else order.shape[1] if axis == dim else 1 for axis in range(tensor.ndim)]
+    size = [order.shape[1] if axis == dim else length for axis, length in enumerate(tensor.shape)]
+    return tensor.gather(dim, order.view(shape).expand(size))
+
+
+# The sequence axes of each kind of output field (see STREAM_FIELDS).
+_SEQUENCE_AXES = {"hidden": (1,), "square": (-2, -1), "queries": (-2,), "keys": (-1,)}
+
+
+def reorder_output(output: Any, order: torch.Tensor, fields: dict[str, str]) -> Any:
+    """A layer stack's output with every sequence axis of `fields` (STREAM_FIELDS) taken in `order`."""
+
+    def reorder(tensor: torch.Tensor, kind: str) -> torch.Tensor:
+        for dim in _SEQUENCE_AXES[kind]:
+            tensor = reorder_columns(tensor, order, dim)
+        return tensor
+
+    return _map_fields(output, fields, reorder)
+
+
 def strip_slots(output: Any, n: int, fields: dict[str, str], length: int) -> Any:
     """Remove the n slot rows from the sequence axes (of size `length`) that still hold them."""
+    return _map_fields(output, fields, lambda tensor, kind: _strip_tensor(tensor, n, kind, length))
+
+
+def _map_fields(output: Any, fields: dict[str, str], change: Callable[[torch.Tensor, str], torch.Tensor]) -> Any:
+    """`change(tensor, kind)` applied to each field of `fields` in a model output (a bare tensor or tuple: hidden)."""
     if isinstance(output, torch.Tensor):
-        return _strip_tensor(output, n, "hidden", length)
+        return change(output, "hidden")
     if isinstance(output, ModelOutput):
         for name, kind in fields.items():
             value = output.get(name)
             if isinstance(value, torch.Tensor):
-                output[name] = _strip_tensor(value, n, kind, length)
+                output[name] = change(value, kind)
             elif isinstance(value, tuple):
-                output[name] = tuple(_strip_tensor(t, n, kind, length) for t in value)
+                output[name] = tuple(change(t, kind) for t in value)
         return output
     if isinstance(output, tuple):
-        return (_strip_tensor(output[0], n, "hidden", length), *output[1:])
+        return (change(output[0], "hidden"), *output[1:])
     return output
 
 

@@ -10,7 +10,7 @@ import torch
 
 from capt.recipes.backbones import load_backbone
 from capt.recipes.data import paper_splits
-from capt.recipes.formats import OptionScoringFormat, make_format
+from capt.recipes.formats import OptionScoringFormat, make_format, prompt_pass_is_exact
 from capt.recipes.methods import apply_method
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "superglue"
@@ -43,6 +43,40 @@ def test_option_scores_from_trailing_logits_equal_the_full_forward(method):
         plain = OptionScoringFormat.row_scores(fmt, model, inputs)  # labels in, every position's logits out
     assert (inputs["labels"][:, -1] == -100).any()  # some right-padded rows end their targets early
     torch.testing.assert_close(fast, plain, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["capt", "deep-prompt", "lora", "ia3", "adapter", "bare"])
+@pytest.mark.parametrize("task", ["copa", "cb"])
+def test_option_scores_from_one_prompt_pass_equal_one_pass_per_option(method, task):
+    if method == "bare":  # the zero-shot reference: the backbone itself
+        backbone = load_backbone("tiny-llama")
+        model = backbone.model.eval()
+        fmt = make_format(backbone.family, task, backbone.tokenizer, 96)
+        batch = fmt.collate([fmt.encode(ex) for ex in paper_splits(task, DATA)["train"][:6]])
+    else:
+        model, fmt, batch = _model_and_batch(method, task)
+    inputs, options = batch["score_inputs"], batch["options"]
+    prompts = (inputs["attention_mask"].bool() & (inputs["labels"] == -100)).sum(-1)
+    assert len(set(prompts.tolist())) > 1  # the prompt batch is left-padded
+    if task == "copa":
+        assert len(set((inputs["labels"] != -100).sum(-1).tolist())) > 1  # options of different lengths
+    assert prompt_pass_is_exact(model)
+    with torch.no_grad():
+        one_pass = fmt.scores_from_prompt_pass(model, inputs, options)
+        per_row = fmt.row_scores(model, inputs)
+        table = fmt.scores(model, batch)
+    torch.testing.assert_close(one_pass, per_row, atol=1e-4, rtol=0)
+    assert torch.equal(table[torch.isfinite(table)], one_pass)  # scores() takes the one-pass path
+
+
+@pytest.mark.parametrize("method", ["prompt", "ptv2", "dept"])
+def test_methods_whose_prompt_pass_is_not_exact_score_every_row(method):
+    model, fmt, batch = _model_and_batch(method)
+    assert not prompt_pass_is_exact(model)
+    with torch.no_grad():
+        table = fmt.scores(model, batch)
+        per_row = fmt.row_scores(model, batch["score_inputs"])
+    assert torch.equal(table.flatten(), per_row)  # CB: three options per example, none missing
 
 
 @pytest.mark.parametrize("method", DECODER_METHODS)

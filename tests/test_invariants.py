@@ -116,16 +116,72 @@ def test_bare_t5_does_not_depend_on_left_padding():
     torch.testing.assert_close(logits["right"], logits["alone"], atol=1e-5, rtol=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug (ours): the encoder slot sits at column 0, before the left pads, so its relative-position "
-    "bias to every token shifts with the pad count (0.012 max logit difference here; right padding: 1e-6); the "
-    "bare model is invariant (test above). Remove this marker when the slot follows the pads.",
-)
 def test_capt_t5_does_not_depend_on_left_padding():
+    """The encoder runs right-aligned, so the slot is as near the first token as with no padding at all."""
     logits = _t5_logits_left_and_right_padded(_model("t5").eval())
     torch.testing.assert_close(logits["right"], logits["alone"], atol=1e-5, rtol=0)
     torch.testing.assert_close(logits["left"], logits["alone"], atol=1e-5, rtol=0)
+
+
+def _t5_padded(lengths_, side, seed=0):
+    """Rows of the given lengths, padded on `side`; with the rows alone."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(3, 100, (length,), generator=generator) for length in lengths_]
+    width = max(lengths_)
+    pad = [torch.zeros(width - len(row), dtype=torch.long) for row in rows]
+    ids = torch.stack([torch.cat([p, r] if side == "left" else [r, p]) for r, p in zip(rows, pad, strict=True)])
+    mask = torch.stack(
+        [
+            torch.cat([p, torch.ones_like(r)] if side == "left" else [torch.ones_like(r), p])
+            for r, p in zip(rows, pad, strict=True)
+        ]
+    )
+    return ids, mask, rows
+
+
+@pytest.mark.parametrize("target", ["encoder", "both"])
+def test_capt_t5_left_padded_batch_returns_each_row_alone_in_the_callers_columns(target):
+    """Logits, the encoder memory, its hidden states and attentions come back where the caller's columns are."""
+    base = build("t5")
+    base.set_attn_implementation("eager")  # sdpa returns no attention weights
+    model = capt.get_capt_model(base, capt.CaptConfig(target=target))
+    randomize_capsules(model)
+    ids, mask, rows = _t5_padded([7, 4, 2], "left")
+    decoder = torch.randint(3, 100, (3, 3), generator=torch.Generator().manual_seed(1))
+    extra = dict(output_hidden_states=True, output_attentions=True)
+    with torch.no_grad():
+        batch = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder, **extra)
+        for i, row in enumerate(rows):
+            alone = model(input_ids=row[None], decoder_input_ids=decoder[i : i + 1], **extra)
+            real = slice(ids.shape[1] - len(row), None)  # this row's columns in the batch
+            torch.testing.assert_close(batch.logits[i], alone.logits[0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                batch.encoder_last_hidden_state[i, real], alone.encoder_last_hidden_state[0], atol=1e-5, rtol=0
+            )
+            torch.testing.assert_close(
+                batch.encoder_hidden_states[-1][i, real], alone.encoder_hidden_states[-1][0], atol=1e-5, rtol=0
+            )
+            torch.testing.assert_close(
+                batch.encoder_attentions[0][i, :, real, real], alone.encoder_attentions[0][0], atol=1e-5, rtol=0
+            )
+            torch.testing.assert_close(
+                batch.cross_attentions[0][i, ..., real], alone.cross_attentions[0][0], atol=1e-5, rtol=0
+            )
+
+
+def test_capt_t5_generates_the_same_from_left_and_right_padded_prompts():
+    model = _model("t5")
+    kwargs = dict(max_new_tokens=5, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    out = {}
+    for side in ("left", "right"):
+        ids, mask, rows = _t5_padded([6, 3, 1], side)
+        out[side] = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    alone = model.generate(input_ids=rows[1][None], **kwargs)
+    assert torch.equal(out["left"].sequences, out["right"].sequences)
+    assert torch.equal(out["left"].sequences[1], alone.sequences[0])
+    for left, right, single in zip(out["left"].scores, out["right"].scores, alone.scores, strict=True):
+        torch.testing.assert_close(left, right, atol=1e-5, rtol=0)
+        torch.testing.assert_close(left[1], single[0], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["bert-cls", "llama", "t5"])

@@ -6,6 +6,8 @@ adapter and removes it again, so the frozen model is shared.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import peft
 import pytest
 import torch
@@ -14,7 +16,10 @@ from transformers import DataCollatorWithPadding, GPT2Config, GPT2LMHeadModel, L
 import capt
 from capt.recipes.analysis.capture import use_eager_attention
 from capt.recipes.backbones import load_backbone
+from capt.recipes.data import paper_splits
+from capt.recipes.formats import make_format
 
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "superglue"
 GREEDY = dict(do_sample=False, max_new_tokens=4)
 PROMPTS = ["The capital of France is", "Two plus two equals four, and three plus three equals", "Hello"]
 
@@ -218,3 +223,22 @@ def test_gemma_beyond_the_sliding_window_cache_matches_and_only_full_layers_see_
         assert seen[sliding] == 0.0 and seen[full] > 0.0
     finally:
         model.unload()
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma"])
+def test_option_scores_from_one_prompt_pass_equal_one_pass_per_option(name, request):
+    """The scoring shortcut on real weights: Llama's grouped-query attention, Gemma's sliding-window cache layers."""
+    backbone = request.getfixturevalue(name)
+    model = capt.get_capt_model(backbone.model)
+    try:
+        _randomize(model)
+        fmt = make_format("decoder", "copa", backbone.tokenizer, 32)
+        batch = fmt.collate([fmt.encode(ex) for ex in paper_splits("copa", DATA)["train"][:3]])
+        inputs = batch["score_inputs"]
+        with torch.no_grad():
+            one_pass = fmt.scores_from_prompt_pass(model, inputs, batch["options"])
+            per_row = fmt.row_scores(model, inputs)
+    finally:
+        model.unload()
+    assert len(set((inputs["labels"] != -100).sum(-1).tolist())) > 1  # options of different lengths
+    torch.testing.assert_close(one_pass, per_row, atol=1e-4, rtol=0)

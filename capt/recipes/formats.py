@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from ..config import CaptConfig
 from ..slots import positions_from_mask
 from .data import TASKS, Example, is_choice_task
 from .data import templates as tpl
@@ -245,6 +246,67 @@ class CausalLMFormat(OptionScoringFormat):
         logits = model(**model_inputs, logits_to_keep=keep).logits
         return target_logprobs(logits, labels, shifted=True)
 
+    def scores(self, model, batch):
+        """Option scores from one prompt pass per example where that is exact (`prompt_pass_is_exact`), else from
+        one pass over each (prompt + option) row."""
+        if not prompt_pass_is_exact(model):
+            return super().scores(model, batch)
+        return _per_example(
+            self.scores_from_prompt_pass(model, batch["score_inputs"], batch["options"]), batch["options"]
+        )
+
+    def scores_from_prompt_pass(
+        self, model: nn.Module, inputs: dict[str, torch.Tensor], options: list[int]
+    ) -> torch.Tensor:
+        """`row_scores` of the option rows, with each example's prompt run once (as lm-evaluation-harness does).
+
+        The prompts are prefilled as a left-padded batch, whose last logits score each option's first token; the
+        KV cache is then repeated for each option, and all options continue from it in one cached pass (none when
+        every option is one token). The prompt's states (and any slot) are the same in every option row, so this is
+        the plain path's result at about 1/options of its prompt work.
+        """
+        ids, mask, labels = inputs["input_ids"], inputs["attention_mask"].bool(), inputs["labels"]
+        pad = self.tokenizer.pad_token_id
+        prompt_lengths = (mask & (labels == -100)).sum(-1)  # per row; rows are right-padded, targets follow prompts
+        counts = torch.tensor(options, device=ids.device)
+        example_of_row = torch.repeat_interleave(torch.arange(len(options), device=ids.device), counts)
+        first_rows = counts.cumsum(0) - counts
+
+        # Each example's prompt (from its first row), moved to the right edge: a left-padded batch.
+        lengths = prompt_lengths[first_rows]
+        columns = torch.arange(int(lengths.max()), device=ids.device)[None] - (lengths.max() - lengths)[:, None]
+        prompt_mask = columns >= 0
+        prompt_ids = torch.where(prompt_mask, ids[first_rows].gather(1, columns.clamp(min=0)), pad)
+        prefill = model(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask.long(),
+            position_ids=positions_from_mask(prompt_mask),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        # The prompt's last logits predict each option's first token; the option's own logits predict the rest.
+        logits = prefill.logits[example_of_row, -1:]
+
+        # Each row's target tokens, right-padded, at the positions that follow its prompt (and the slots).
+        target_lengths = (labels != -100).sum(-1)
+        steps = torch.arange(int(target_lengths.max()), device=ids.device)[None]
+        target_mask = steps < target_lengths[:, None]
+        source = (prompt_lengths[:, None] + steps).clamp(max=ids.shape[1] - 1)
+        target_ids = torch.where(target_mask, ids.gather(1, source), pad)
+        if steps.shape[1] > 1:  # one-token options (CB's label words) need no second pass
+            key = "cache" if "cache" in prefill else "past_key_values"  # transformers 5.x renamed it
+            cache = prefill[key]
+            slots = cache.get_seq_length() - prompt_ids.shape[1]  # the slot columns a CaPT model put in front
+            cache.batch_select_indices(example_of_row)  # one copy of its example's prompt states per option row
+            continued = model(
+                input_ids=target_ids,
+                attention_mask=torch.cat([prompt_mask[example_of_row], target_mask], 1).long(),
+                position_ids=prompt_lengths[:, None] + slots + steps,  # a cached step counts the slots, as generate
+                **{key: cache},
+            )
+            logits = torch.cat([logits, continued.logits[:, :-1]], 1)
+        return target_logprobs(logits, torch.where(target_mask, target_ids, -100), shifted=False)
+
 
 def has_capsules(model: nn.Module | partial) -> bool:
     """Whether capsule hooks sit on `model` (CaptModel, the bank, or CaPT through PEFT): it takes `instance_mask`.
@@ -252,6 +314,27 @@ def has_capsules(model: nn.Module | partial) -> bool:
     `model` may be a `functools.partial` of one (a bank called with its per-row `adapter_names`)."""
     module = model.func if isinstance(model, partial) else model
     return any(getattr(m, "_capt_attached", False) for m in module.modules())
+
+
+def prompt_pass_is_exact(model: nn.Module | partial) -> bool:
+    """Whether option scores from one cached prompt pass per example equal one pass per (prompt + option) row.
+
+    Exact: the bare model and weight-only adapters (LoRA, IA3, the Houlsby adapter, a trained head), where a token's
+    states depend only on the tokens before it, which the cache holds; CaPT and Deep Prompt-Tuning, whose slots are
+    written in the prompt's pass from the prompt alone (the capsule mean leaves the options out). Not exact, so
+    scored row by row: PEFT Prompt Tuning and prefix tuning (they prepend virtual tokens or a prefix cache to every
+    call, a cached one included), the `capt.baselines` prompt methods (DePT adds per-position offsets to every
+    input token, options included, which a cached pass does not apply; the others are not verified), and a bank
+    called with per-row `adapter_names` (a `functools.partial`).
+    """
+    if isinstance(model, partial):
+        return False
+    config = getattr(model, "capt_config", None)
+    if config is None and hasattr(model, "peft_config"):
+        config = model.peft_config[model.active_adapter]
+    if isinstance(config, CaptConfig):
+        return config.prompt_method is None
+    return config is None or not config.is_prompt_learning
 
 
 FORMATS = {"encoder": EncoderFormat, "encoder-decoder": T5Format, "decoder": CausalLMFormat}

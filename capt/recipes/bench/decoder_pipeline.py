@@ -3,7 +3,9 @@
 The backbone is random-weight at SmolLM2-135M's shape (LlamaForCausalLM, 30 layers x 576, 9 heads / 3 key-value
 heads, FFN 1536, vocabulary 49152, tied embeddings) on the MiniLM tokenizer, so timings are shape-equivalent, not
 the real model's. `--path plain` is the pipeline before the fast paths: labels go into the model, the LM head and
-a log-softmax run over every position. `--path fast` is today's `CausalLMFormat`: logits only at target positions.
+a log-softmax run over every position. `--path fast` scores each (prompt + option) row with logits only at target
+positions; `--path one-pass` is today's `CausalLMFormat.scores`: each prompt once, the options from its KV cache
+(training as `fast`).
 
     python -m capt.recipes.bench.decoder_pipeline --path fast --train-batches 6 --eval-examples 23
 """
@@ -64,7 +66,12 @@ def measure(path: str, bf16: bool, train_batches: int, eval_examples: int, data_
         for start in range(0, len(evaluation), 8):
             batch = fmt.collate(evaluation[start : start + 8])
             inputs = batch["score_inputs"]
-            rows = OptionScoringFormat.row_scores(fmt, model, inputs) if plain else fmt.row_scores(model, inputs)
+            if plain:
+                rows = OptionScoringFormat.row_scores(fmt, model, inputs)
+            elif path == "fast":
+                rows = fmt.row_scores(model, inputs)
+            else:
+                rows = fmt.scores_from_prompt_pass(model, inputs, batch["options"])
             scores += rows.tolist()
             predictions += _per_example(rows, batch["options"]).argmax(-1).tolist()
     eval_s = time.perf_counter() - started
@@ -83,7 +90,7 @@ def measure(path: str, bf16: bool, train_batches: int, eval_examples: int, data_
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--path", choices=("plain", "fast"), default="fast")
+    parser.add_argument("--path", choices=("plain", "fast", "one-pass"), default="fast")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast for training and scoring")
     parser.add_argument("--train-batches", type=int, default=6, help="CB training batches of 8 to time")
     parser.add_argument("--eval-examples", type=int, default=23, help="CB validation examples to score")
