@@ -406,10 +406,14 @@ class CapsuleInjector:
             if cache_is_empty(cache_of(inputs)):
                 self._prepare_prefill(inputs, instance_mask, adapter_names or self.pending_adapter_names)
             else:
-                # Incremental decoding: the slot is already in the cache; only the masks need its column.
+                # Incremental decoding: the slot is already in the cache; only the masks need its column, and
+                # heads trained per adapter (`modules_to_save`) need each row's adapter again.
                 for key in ("attention_mask", "decoder_attention_mask"):
                     if key in inputs and self._role_for(key) is not None:
                         inputs[key] = prepend(inputs[key], self.num_slots, 1)
+                names = adapter_names or self.pending_adapter_names
+                if names is not None:
+                    self.row_adapters = self._checked_row_adapters(names, _step_batch_size(inputs))
         return (), inputs
 
     def _after_model(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -493,6 +497,14 @@ class CapsuleInjector:
         if not site.strips_output:
             return output
         return strip_slots(output, self.num_slots, STREAM_FIELDS["own"], state.first_weights.shape[-1])
+
+
+def _step_batch_size(inputs: dict[str, Any]) -> int:
+    """The number of rows of a decode step's input (its ids or embeddings, of the decoder for T5)."""
+    for key in ("input_ids", "inputs_embeds", "decoder_input_ids", "decoder_inputs_embeds"):
+        if isinstance(inputs.get(key), torch.Tensor):
+            return inputs[key].shape[0]
+    raise ValueError("pass input_ids or inputs_embeds (decoder_input_ids for an encoder-decoder)")
 
 
 def _fit_rows(mask: torch.Tensor, batch: int, length: int) -> torch.Tensor:

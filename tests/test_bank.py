@@ -73,6 +73,35 @@ def test_mixed_generation_gives_each_row_what_its_adapter_generates_alone(name, 
     assert beams.shape[0] == 2 * len(ROWS)
 
 
+def test_a_decode_step_gives_each_row_its_own_adapters_head(tmp_path):
+    """A step on a KV cache (what `capt serve` runs) names the rows' adapters again: per-adapter heads answer."""
+    paths = {}
+    for seed, task in enumerate(("a", "b"), start=1):
+        model = capt.get_capt_model(build("llama"), capt.CaptConfig(modules_to_save=["lm_head"]))
+        randomize_capsules(model, seed=seed)
+        with torch.no_grad():
+            model.base_model.lm_head.weight.normal_(generator=torch.Generator().manual_seed(seed))
+        model.save_pretrained(tmp_path / task)
+        paths[task] = tmp_path / task
+    bank = load_bank(build("llama"), paths)
+    prompts = batch_inputs("llama", batch=len(ROWS))
+    step = {"input_ids": torch.tensor([[5], [6], [7]]), "attention_mask": torch.ones(len(ROWS), 7, dtype=torch.long)}
+
+    def second_logits(rows: list[int], names: list[str] | None) -> torch.Tensor:
+        """The logits of the first decode step after the prompts of `rows` (`names`: each row's adapter)."""
+        prompt, token = ({k: v[rows] for k, v in inputs.items()} for inputs in (prompts, step))
+        cache = bank(**prompt, adapter_names=names, use_cache=True).past_key_values
+        return bank(**token, cache=cache, adapter_names=names).logits[:, -1]
+
+    with torch.no_grad():
+        mixed = second_logits([0, 1, 2], ROWS)
+        for i, task in enumerate(ROWS):
+            bank.set_adapter(task)  # alone, its head is the installed one
+            assert torch.allclose(mixed[i], second_logits([i], None)[0], atol=1e-5), (i, task)
+        bank.set_adapter("b")
+        assert not torch.allclose(mixed[1], second_logits([1], ["a"])[0], atol=1e-3)
+
+
 def test_the_bank_api(tmp_path):
     paths = _saved_adapters("bert-cls", tmp_path)
     bank = capt.CaptModel.from_pretrained(build("bert-cls"), paths["a"], adapter_name="a")

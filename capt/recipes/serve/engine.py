@@ -329,7 +329,7 @@ class DecodeBatch:
             input_ids=ids,
             attention_mask=mask,
             position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-            adapter_names=None if self.num_slots == 0 else [job.model for job in jobs],
+            adapter_names=self._adapter_names(jobs),
             use_cache=True,
             **self.prefill_options,
         )
@@ -366,6 +366,7 @@ class DecodeBatch:
             input_ids=self.last[:, None],
             attention_mask=mask,
             position_ids=mask.sum(-1, keepdim=True) - 1 + self.num_slots,
+            adapter_names=self._adapter_names([row.job for row in self.rows]),
             use_cache=True,
             **{self.cache_key: self.cache},
         )
@@ -379,6 +380,11 @@ class DecodeBatch:
         for row in self.rows:
             row.job.emit({"error": message})
         self._keep([False] * len(self.rows))
+
+    def _adapter_names(self, jobs: list[Completion]) -> list[str] | None:
+        """Each row's adapter, for every pass (prefill and decode steps: heads trained per adapter run at each);
+        None in the base model's batch, whose capsules are switched off."""
+        return None if self.num_slots == 0 else [job.model for job in jobs]
 
     def _choose_and_send(self, rows: list[_Row], logits: torch.Tensor) -> list[int | None]:
         """Each row's next token from its logits, its new text sent; None where the row has finished."""
