@@ -91,7 +91,7 @@ def test_health_models_and_metrics(server):
     complete(server.client, model="rte", prompt="hi")
     metrics = server.client.get("/metrics").text
     assert 'capt_requests_total{route="/v1/completions",status="200"}' in metrics
-    assert "capt_queue_depth" in metrics and "capt_batch_rows_bucket" in metrics
+    assert "capt_queue_depth" in metrics and "capt_batch_rows_bucket" in metrics and "capt_batch_joins_total" in metrics
     assert "capt_request_latency_seconds_bucket" in metrics
 
 
@@ -152,9 +152,14 @@ def test_an_answer_does_not_depend_on_its_batchmates(server):
     assert rows > batches  # some requests really shared a batch
 
 
+def _metrics(server) -> dict[str, float]:
+    """The /metrics samples, by name with labels."""
+    lines = server.client.get("/metrics").text.splitlines()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if not line.startswith("#")}
+
+
 def _batch_rows(server) -> tuple[float, float]:
-    metrics = server.client.get("/metrics").text
-    value = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line.startswith("capt_batch")}
+    value = _metrics(server)
     return value['capt_batch_rows_sum{kind="completion"}'], value['capt_batch_rows_count{kind="completion"}']
 
 
@@ -319,7 +324,8 @@ def test_openai_client(server):
 
 
 def test_requests_join_and_leave_a_running_batch_without_changing_its_answer(server):
-    """B and C are sent while A streams; every answer equals the one it gets alone."""
+    """B and C are sent while A streams: they join A's batch (the join counter says so), and every answer equals
+    the one it gets alone."""
     body = {"model": "rte", "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0}
     alone = complete(server.client, **body)["choices"][0]["text"]
     mates = [
@@ -327,6 +333,7 @@ def test_requests_join_and_leave_a_running_batch_without_changing_its_answer(ser
         {"model": "rte", "prompt": "hello", "max_tokens": 5},
     ]
     mates_alone = [complete(server.client, **m)["choices"][0]["text"] for m in mates]
+    joins = _metrics(server)["capt_batch_joins_total"]
     parts, mates_done = [], []
     with httpx.Client(base_url=server.url, timeout=30) as client:
         with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
@@ -343,4 +350,5 @@ def test_requests_join_and_leave_a_running_batch_without_changing_its_answer(ser
                     parts.append(json.loads(line.removeprefix("data: "))["choices"][0]["text"])
     assert together == mates_alone
     assert "".join(parts) == alone
-    assert len(parts) > mates_done[0]
+    assert len(parts) > mates_done[0]  # A still streamed after B and C had their answers
+    assert _metrics(server)["capt_batch_joins_total"] == joins + 2

@@ -36,18 +36,22 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
     return bos + tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
 
-def decode_together(bank, tokenizer, rows: list[tuple[str, str]]) -> list[str]:
-    """Greedy texts of `rows` (adapter, prompt) prefilled and decoded as one `DecodeBatch`."""
+def decode_together(bank, tokenizer, rows: list[tuple[str, str]], join_at: list[int] | None = None) -> list[str]:
+    """Greedy texts of `rows` (adapter, prompt) in one `DecodeBatch`, row i joining before step `join_at[i]`."""
+    join_at = join_at or [0] * len(rows)
     events: list[list[dict]] = [[] for _ in rows]
     jobs = [
         Completion(name, prompt_ids(tokenizer, prompt), NEW_TOKENS, 0.0, 1.0, None, [], events[i].append)
         for i, (name, prompt) in enumerate(rows)
     ]
     batch = DecodeBatch(bank, tokenizer, bank.num_slots)
-    batch.join(jobs)
-    while batch.rows:
-        batch.step()
-    assert all("done" in row[-1] for row in events)
+    for step in range(NEW_TOKENS + max(join_at)):
+        joining = [job for job, at in zip(jobs, join_at, strict=True) if at == step]
+        if joining:
+            batch.join(joining)
+        if batch.rows:
+            batch.step()
+    assert not batch.rows and all("done" in row[-1] for row in events)
     return ["".join(event.get("text", "") for event in row) for row in events]
 
 
@@ -66,3 +70,10 @@ def test_a_mixed_adapter_batch_gives_each_row_what_its_adapter_gives_alone(bank)
     assert decode_together(model, tokenizer, ROWS) == alone
     assert [decode_together(model, tokenizer, [row])[0] for row in ROWS] == alone
     assert alone[0] != alone[2] and alone[1] != alone[3]  # the two adapters really answer differently
+
+
+def test_rows_that_join_a_running_batch_get_what_they_get_alone(bank):
+    model, tokenizer = bank
+    alone = [generate_alone(model, tokenizer, name, prompt) for name, prompt in ROWS]
+    model.set_adapter("a")
+    assert decode_together(model, tokenizer, ROWS, join_at=[0, 0, 3, 6]) == alone

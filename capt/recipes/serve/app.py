@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
@@ -77,6 +78,7 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
     depth = Gauge("capt_queue_depth", "jobs waiting for the worker", registry=registry)
     depth.set_function(engine.queue.qsize)
     engine.observe = lambda kind, rows: batch_rows.labels(kind).observe(rows)
+    registry.register(_EngineCounters(engine))
 
     def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
@@ -255,3 +257,14 @@ def _task(engine: Engine, name: str) -> str | None:
     """The SuperGLUE task an adapter answers in /v1/classify (None: completions only)."""
     info = engine.adapters.get(name)
     return None if info is None else info.task or (name if name in TASKS else None)
+
+
+class _EngineCounters:
+    """The counters the worker keeps itself (plain ints, no lock on its hot path), read at each scrape."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def collect(self):
+        help_text = "completions that joined a generation batch while it was decoding (continuous batching)"
+        yield CounterMetricFamily("capt_batch_joins", help_text, value=self.engine.joins)

@@ -122,6 +122,9 @@ class Engine:
         self.queue: queue.Queue = queue.Queue(maxsize=limits.queue_size)
         self.lock = threading.Lock()  # the bank is used by the worker and changed by load/unload
         self.observe = observe or (lambda kind, size: None)  # metrics hook: (batch kind, rows)
+        # Completions prefilled while their generation batch was decoding: they joined it instead of waiting for it
+        # to end (continuous batching). Exposed as capt_batch_joins_total.
+        self.joins = 0
         self._stop = threading.Event()
         self._held: Completion | None = None  # taken from the queue while the decode batch was full: next in line
         self._thread = threading.Thread(target=self._run, name="capt-serve-worker", daemon=True)
@@ -255,11 +258,14 @@ class Engine:
         """New rows join `lane` (their prefill), then every row decodes one token."""
         if joining:
             self.observe("prefill", len(joining))
+            decoding = bool(lane.rows)
             try:
                 lane.join(joining)
             except Exception as err:  # a bad request or an adapter unloaded meanwhile: the running rows go on
                 for job in joining:
                     job.emit({"error": str(err)})
+            else:
+                self.joins += len(joining) if decoding else 0
         if lane.rows:
             self.observe("completion", len(lane.rows))
             try:
