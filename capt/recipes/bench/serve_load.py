@@ -16,7 +16,9 @@ import argparse
 import asyncio
 import json
 import platform
+import shlex
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -122,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-window-ms", type=float, default=5.0)
     parser.add_argument("--data-dir", help="SuperGLUE folder for the classify records (default: CAPT_DATA_DIR)")
     parser.add_argument("--output", help="results stem (default: benchmarks/results/serve-<model>)")
+    parser.add_argument("--note", help="a line for the report, e.g. what else the machine was running")
     args = parser.parse_args(argv)
+    command = shlex.join(["python", "-m", "capt.recipes.bench.serve_load", *(sys.argv[1:] if argv is None else argv)])
     levels = [int(c) for c in args.concurrency.split(",")]
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -172,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     stem = Path(args.output) if args.output else RESULTS / f"serve-{Path(args.model).name}"
     stem.parent.mkdir(parents=True, exist_ok=True)
     meta = {
+        "command": command,
+        "note": args.note,
         "model": args.model,
         "adapters": list(adapters),
         "mix": "3/4 greedy completions (1..max_tokens tokens, adapters and base), 1/4 classify (one val record)",
@@ -186,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"# capt serve load test: {args.model}",
         "",
-        f"`python -m capt.recipes.bench.serve_load --model {args.model}`: {args.requests} requests ({meta['mix']}), "
+        f"`{command}`: {args.requests} requests ({meta['mix']}), "
         f"batch window {args.batch_window_ms:g} ms, up to {args.max_batch} per batch, {meta['torch_threads']} torch "
         f"thread(s), {meta['device']}. Concurrency {levels[0]} is the one-at-a-time reference for the answers.",
         "",
@@ -198,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         f"| {r['p99_ms']:.0f} | {r['lost']} | {r['differ_from_one_at_a_time']} |"
         for r in rows
     ]
+    if args.note:
+        lines += ["", args.note]
     Path(f"{stem}.md").write_text("\n".join(lines) + "\n")
     print(f"written {stem}.md and {stem}.json")
     return 0 if all(r["lost"] == 0 and r["differ_from_one_at_a_time"] == 0 for r in rows) else 1
