@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -108,6 +109,12 @@ def _labels(data: dict) -> list[str]:
     return [p["label"] for result in data["results"] for p in result["predictions"]]
 
 
+def _lost(row: dict) -> str:
+    """The lost count, with what those requests got (e.g. `1 (HTTP 504)`)."""
+    detail = ", ".join(f"{n}x {status}" if n > 1 else status for status, n in row["errors"].items())
+    return f"{row['lost']} ({detail})" if detail else "0"
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
@@ -122,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=16, help="completions ask 1..N tokens")
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--batch-window-ms", type=float, default=5.0)
+    parser.add_argument("--timeout", type=float, default=60.0, help="the service's per-request timeout, seconds")
     parser.add_argument("--data-dir", help="SuperGLUE folder for the classify records (default: CAPT_DATA_DIR)")
     parser.add_argument("--output", help="results stem (default: benchmarks/results/serve-<model>)")
     parser.add_argument("--note", help="a line for the report, e.g. what else the machine was running")
@@ -134,7 +142,12 @@ def main(argv: list[str] | None = None) -> int:
             adapters = dict(pair.split("=", 1) for pair in args.adapters.split(","))
         else:
             adapters = random_adapters(args.model, ["rte", "cb"], Path(scratch))
-        limits = Limits(max_batch=args.max_batch, batch_window_s=args.batch_window_ms / 1000, queue_size=4096)
+        limits = Limits(
+            max_batch=args.max_batch,
+            batch_window_s=args.batch_window_ms / 1000,
+            queue_size=4096,
+            timeout_s=args.timeout,
+        )
         engine = build_engine(args.model, adapters, limits)
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
@@ -152,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
             for level in levels:
                 answers, latencies, wall = asyncio.run(run_level(url, requests, level))
                 reference = reference or answers
-                lost = sum(a is None or str(a).startswith("HTTP") for a in answers)
-                wrong = sum(a != r for a, r in zip(answers, reference, strict=True))
+                errors = Counter(str(a) for a in answers if a is None or str(a).startswith("HTTP"))
+                answered = [(a, r) for a, r in zip(answers, reference, strict=True) if str(a) not in errors]
+                wrong = sum(a != r for a, r in answered)
                 rows.append(
                     {
                         "concurrency": level,
@@ -162,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                         "p50_ms": 1000 * percentile(latencies, 50),
                         "p99_ms": 1000 * percentile(latencies, 99),
                         "wall_s": wall,
-                        "lost": lost,
+                        "lost": sum(errors.values()),
+                        "errors": dict(errors),
                         "differ_from_one_at_a_time": wrong,
                     }
                 )
@@ -201,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     lines += [
         f"| {r['concurrency']} | {r['throughput_rps']:.1f} | {r['throughput_rps'] / base:.2f}x | {r['p50_ms']:.0f} "
-        f"| {r['p99_ms']:.0f} | {r['lost']} | {r['differ_from_one_at_a_time']} |"
+        f"| {r['p99_ms']:.0f} | {_lost(r)} | {r['differ_from_one_at_a_time']} |"
         for r in rows
     ]
     if args.note:
