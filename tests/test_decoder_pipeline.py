@@ -3,11 +3,14 @@
 import dataclasses
 import json
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
+import capt
+from capt.bank import load_bank
 from capt.recipes.backbones import load_backbone
 from capt.recipes.data import paper_splits
 from capt.recipes.formats import OptionScoringFormat, make_format, prompt_pass_is_exact
@@ -67,6 +70,32 @@ def test_option_scores_from_one_prompt_pass_equal_one_pass_per_option(method, ta
         table = fmt.scores(model, batch)
     torch.testing.assert_close(one_pass, per_row, atol=1e-4, rtol=0)
     assert torch.equal(table[torch.isfinite(table)], one_pass)  # scores() takes the one-pass path
+
+
+@pytest.mark.parametrize("task", ["copa", "cb"])
+def test_a_bank_with_per_row_adapters_scores_from_one_prompt_pass_too(task, tmp_path):
+    """`capt predict` and `/v1/classify`: adapters mixed row by row, each with its own `lm_head`, which answers the
+    continued pass of COPA's longer options too."""
+    backbone = load_backbone("tiny-llama")
+    for seed, name in enumerate(("a", "b"), start=1):
+        model = capt.get_capt_model(load_backbone("tiny-llama").model, capt.CaptConfig(modules_to_save=["lm_head"]))
+        _trained_looking(model)
+        with torch.no_grad():
+            model.base_model.lm_head.weight.normal_(generator=torch.Generator().manual_seed(seed))
+        model.save_pretrained(tmp_path / name)
+    bank = load_bank(backbone.model, {name: tmp_path / name for name in ("a", "b")}).eval()
+    fmt = make_format(backbone.family, task, backbone.tokenizer, 96)
+    batch = fmt.collate([fmt.encode(ex) for ex in paper_splits(task, DATA)["train"][:6]])
+    inputs, options = batch["score_inputs"], batch["options"]
+    names = [name for i, n in enumerate(options) for name in ["ab"[i % 2]] * n]
+    mixed = partial(bank, adapter_names=names)
+    assert prompt_pass_is_exact(mixed)
+    with torch.no_grad():
+        table = fmt.scores(mixed, batch)
+        per_row = fmt.row_scores(mixed, inputs)
+        only_a = fmt.row_scores(partial(bank, adapter_names=["a"] * len(names)), inputs)
+    torch.testing.assert_close(table[torch.isfinite(table)], per_row, atol=1e-4, rtol=0)
+    assert not torch.allclose(per_row, only_a, atol=1e-2)  # the "b" rows really answer with their own adapter
 
 
 @pytest.mark.parametrize("method", ["prompt", "ptv2", "dept"])

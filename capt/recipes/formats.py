@@ -277,7 +277,7 @@ class CausalLMFormat(OptionScoringFormat):
         columns = torch.arange(int(lengths.max()), device=ids.device)[None] - (lengths.max() - lengths)[:, None]
         prompt_mask = columns >= 0
         prompt_ids = torch.where(prompt_mask, ids[first_rows].gather(1, columns.clamp(min=0)), pad)
-        prefill = model(
+        prefill = _with_rows(model, first_rows)(
             input_ids=prompt_ids,
             attention_mask=prompt_mask.long(),
             position_ids=positions_from_mask(prompt_mask),
@@ -316,6 +316,14 @@ def has_capsules(model: nn.Module | partial) -> bool:
     return any(getattr(m, "_capt_attached", False) for m in module.modules())
 
 
+def _with_rows(model: nn.Module | partial, rows: torch.Tensor) -> nn.Module | partial:
+    """`model` for a batch of the given option rows only: a bank's per-row `adapter_names` picked to match."""
+    names = model.keywords.get("adapter_names") if isinstance(model, partial) else None
+    if names is None:
+        return model
+    return partial(model.func, *model.args, **{**model.keywords, "adapter_names": [names[i] for i in rows.tolist()]})
+
+
 def prompt_pass_is_exact(model: nn.Module | partial) -> bool:
     """Whether option scores from one cached prompt pass per example equal one pass per (prompt + option) row.
 
@@ -324,11 +332,13 @@ def prompt_pass_is_exact(model: nn.Module | partial) -> bool:
     written in the prompt's pass from the prompt alone (the capsule mean leaves the options out). Not exact, so
     scored row by row: PEFT Prompt Tuning and prefix tuning (they prepend virtual tokens or a prefix cache to every
     call, a cached one included), the `capt.baselines` prompt methods (DePT adds per-position offsets to every
-    input token, options included, which a cached pass does not apply; the others are not verified), and a bank
-    called with per-row `adapter_names` (a `functools.partial`).
+    input token, options included, which a cached pass does not apply; the others are not verified). A bank called
+    with per-row `adapter_names` (a `functools.partial`) is exact when all its adapters are: the prompt pass names
+    each example's adapter, the continued pass each row's (cached steps honour `adapter_names`).
     """
     if isinstance(model, partial):
-        return False
+        configs = getattr(model.func, "adapter_configs", {})
+        return bool(configs) and all(config.prompt_method is None for config in configs.values())
     config = getattr(model, "capt_config", None)
     if config is None and hasattr(model, "peft_config"):
         config = model.peft_config[model.active_adapter]
