@@ -115,6 +115,14 @@ def _lost(row: dict) -> str:
     return f"{row['lost']} ({detail})" if detail else "0"
 
 
+def _command(argv: list[str]) -> str:
+    """The command line that reproduces the run; the `--note` text is written apart, not repeated in it."""
+    kept = [a for i, a in enumerate(argv) if a != "--note" and argv[i - 1 : i] != ["--note"]]
+    return shlex.join(
+        ["python", "-m", "capt.recipes.bench.serve_load", *(a for a in kept if not a.startswith("--note="))]
+    )
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
@@ -134,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", help="results stem (default: benchmarks/results/serve-<model>)")
     parser.add_argument("--note", help="a line for the report, e.g. what else the machine was running")
     args = parser.parse_args(argv)
-    command = shlex.join(["python", "-m", "capt.recipes.bench.serve_load", *(sys.argv[1:] if argv is None else argv)])
+    command = _command(sys.argv[1:] if argv is None else argv)
     levels = [int(c) for c in args.concurrency.split(",")]
 
     with tempfile.TemporaryDirectory() as scratch:
