@@ -372,3 +372,40 @@ def test_a_name_given_twice_is_refused(argv, message, tmp_path, capsys):
 def test_bad_serve_limits_are_refused_before_the_model_loads(flags, message, capsys):
     err = _error(capsys, ["serve", "--model", "tiny-llama", "--adapters", "a=nowhere", *flags])
     assert message in err
+
+
+def test_a_finished_run_is_read_back_only_under_its_own_settings(finished_run, tmp_path, capsys):
+    """compare and train --resume over a finished folder: read back when the settings match (output_dir and
+    cache_dir cannot change a result), refused naming the settings when they differ (it was read back silently)."""
+    import shutil
+
+    run = tmp_path / "root" / "cb" / "capt"
+    shutil.copytree(finished_run, run)
+    weights = (run / "trainable.safetensors").stat().st_mtime_ns
+    compare = ["compare", "--tasks", "cb", "--methods", "capt", *TINY[4:], "--model", "tiny-llama"]
+    compare += ["--epochs", "1", "--output-dir", str(tmp_path / "root")]
+    assert main(compare) == 0  # another output_dir and cache_dir: read back
+    assert (run / "trainable.safetensors").stat().st_mtime_ns == weights
+    err = _error(capsys, [*compare, "--lr", "0.5", "--batch-size", "4"])
+    assert f"{run} holds a finished run with other settings: lr 0.01 -> 0.5; batch_size 16 -> 4" in err
+    assert "pass --overwrite to replace it or choose another --output-dir" in err
+    assert "seeds 1 -> 2" in _error(capsys, [*compare, "--seeds", "2"])
+    resume = ["train", *TINY, "--epochs", "2", "--output-dir", str(run), "--resume"]
+    assert "epochs 1 -> 2" in _error(capsys, resume)
+    assert (run / "trainable.safetensors").stat().st_mtime_ns == weights
+
+
+def test_a_setting_added_after_a_run_was_written_matches_its_default(finished_run, tmp_path):
+    import shutil
+
+    from capt.recipes.experiments import finished_run as read_back
+
+    run = tmp_path / "old"
+    shutil.copytree(finished_run, run)
+    stored = json.loads((run / "run_config.json").read_text())
+    del stored["decoder_head"]  # as if written before the field existed
+    (run / "run_config.json").write_text(json.dumps(stored))
+    config = read_run_config(run)
+    assert read_back(config, 1) is not None
+    with pytest.raises(ValueError, match="decoder_head 'lm' -> 'classifier'"):
+        read_back(dataclasses.replace(config, decoder_head="classifier"), 1)

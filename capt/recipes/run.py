@@ -22,7 +22,7 @@ import os
 import socket
 import typing
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -229,16 +229,49 @@ def read_run_config(run_dir: str | Path) -> RunConfig:
         settings = json.loads(config_file.read_text())
     except ValueError as err:
         raise ValueError(f"{config_file} is not valid JSON ({err}); the run folder is damaged") from err
+    return run_config_from_dict(settings, config_file)
+
+
+def run_config_from_dict(settings: object, source: Path) -> RunConfig:
+    """RunConfig from stored settings (run_config.json, a checkpoint); errors and unknown keys name `source`.
+
+    Fields missing from `settings` (added after the file was written) take their defaults.
+    """
     if not isinstance(settings, dict):
-        raise ValueError(f"{config_file}: expected a JSON object of settings")
+        raise ValueError(f"{source}: expected a JSON object of settings")
     known = {f.name for f in fields(RunConfig)}
     unknown = sorted(set(settings) - known)
     if unknown:
-        warnings.warn(f"{config_file}: ignoring settings this version does not know: {unknown}", stacklevel=2)
+        warnings.warn(f"{source}: ignoring settings this version does not know: {unknown}", stacklevel=3)
     try:
         return RunConfig(**{k: v for k, v in settings.items() if k in known})
     except ValueError as err:
-        raise ValueError(f"{config_file}: {err}") from err
+        raise ValueError(f"{source}: {err}") from err
+
+
+# Settings that cannot change a run's result: where its files live (the data may be reached by another path),
+# how often it checkpoints, the scoring batch size, and whether Hub code may run.
+NOT_RESULT_SETTINGS = frozenset(
+    {"output_dir", "data_dir", "cache_dir", "checkpoint_every", "eval_batch_size", "trust_remote_code"}
+)
+
+
+def setting_differences(
+    config: RunConfig, stored: RunConfig, ignore: frozenset[str] = NOT_RESULT_SETTINGS
+) -> dict[str, tuple[object, object]]:
+    """{field: (stored value, requested value)} for every field outside `ignore` in which the two differ.
+
+    Example:
+        >>> setting_differences(RunConfig(lr=0.5), RunConfig())
+        {'lr': (0.01, 0.5)}
+    """
+    wanted, kept = asdict(config), asdict(stored)
+    return {name: (kept[name], value) for name, value in wanted.items() if name not in ignore and kept[name] != value}
+
+
+def describe_differences(differences: dict[str, tuple[object, object]]) -> str:
+    """`lr 0.01 -> 0.5; epochs 10 -> 3`: stored -> requested, for one-line errors."""
+    return "; ".join(f"{name} {kept!r} -> {wanted!r}" for name, (kept, wanted) in differences.items())
 
 
 def build_model(config: RunConfig) -> tuple[nn.Module, TaskFormat]:

@@ -35,12 +35,16 @@ from .reporting import MetricsLog, plot_learning_curves
 from .run import (
     ADAPTER_DIR,
     CHECKPOINT_NAME,
+    NOT_RESULT_SETTINGS,
     RESULTS_NAME,
     RUN_CONFIG_NAME,
     TRAINABLE_NAME,
     RunConfig,
     build_model,
+    describe_differences,
     load_trainable_state,
+    read_run_config,
+    setting_differences,
     trainable_state,
 )
 
@@ -291,27 +295,22 @@ class TrainingRecipe:
         return results
 
 
-# Settings a resumed run may change: where files live, how often it checkpoints, and --epochs (to extend a run;
-# the linear decay is then recomputed for the new total, so the result differs from a run planned that long).
-RESUME_MAY_CHANGE = {"output_dir", "data_dir", "cache_dir", "checkpoint_every", "eval_batch_size", "epochs"}
+# Settings a resumed run may change: those that cannot change its result, and --epochs (to extend a run; the
+# linear decay is then recomputed for the new total, so the result differs from a run planned that long).
+RESUME_MAY_CHANGE = NOT_RESULT_SETTINGS | {"epochs"}
 
 
 def check_resumable(config: RunConfig, out: Path) -> None:
     """Refuse to resume a run whose settings differ from those in its run_config.json, naming the differences."""
     try:
-        saved = json.loads((out / RUN_CONFIG_NAME).read_text())
+        saved = read_run_config(out)
     except (OSError, ValueError) as err:
-        raise ValueError(f"cannot resume {out}: its {RUN_CONFIG_NAME} is missing or damaged ({err})") from err
-    current = asdict(config)
-    differing = [
-        f"{key} {saved.get(key)!r} -> {value!r}"
-        for key, value in current.items()
-        if key not in RESUME_MAY_CHANGE and saved.get(key) != value
-    ]
+        raise ValueError(f"cannot resume {out}: {err}") from err
+    differing = setting_differences(config, saved, ignore=RESUME_MAY_CHANGE)
     if differing:
         raise ValueError(
-            f"cannot resume {out} with other settings: {'; '.join(differing)}. Resume with the original settings, "
-            "or start again with --overwrite"
+            f"cannot resume {out} with other settings: {describe_differences(differing)}. Resume with the original "
+            "settings, or start again with --overwrite"
         )
 
 
