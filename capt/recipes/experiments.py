@@ -56,6 +56,11 @@ def _train_seeds_locked(config: RunConfig, seeds: int, overwrite: bool, resume: 
         finished = finished_run(config, seeds) if resume else None
         if finished is not None:
             return finished
+        if not (overwrite or resume) and any(out.rglob(CHECKPOINT_NAME)):
+            raise FileExistsError(
+                f"{out} holds a finished run and an interrupted re-run beside it: pass --resume to complete the "
+                "re-run or --overwrite to start it again"
+            )
         if not (overwrite or resume):
             raise FileExistsError(f"{out} already holds {RESULTS_NAME}; pass --overwrite to replace it")
 

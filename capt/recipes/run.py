@@ -2,12 +2,15 @@
 
 A run folder, as `capt train` writes it:
 
-    run_config.json         the settings (RunConfig), written first
-    checkpoint.pt           while the run goes on: weights, optimizer and progress (for --resume)
+    checkpoint.pt           while the run goes on: settings, weights, optimizer and progress (for --resume)
     metrics.jsonl/.csv      one record per step and per epoch
     trainable.safetensors   the best epoch's trainable parameters, whatever the method
+    run_config.json         the settings (RunConfig), written with those weights
     adapter/                for CaPT and Deep Prompt-Tuning: the same weights as a loadable adapter
     results.json            the test scores, written last: a folder with it is a finished run
+
+The finished files are written only at the end, so `--overwrite` leaves the previous run's settings, weights and
+results in place (and usable) until the new ones replace them; only the metrics log starts afresh.
 
 `load_run` rebuilds a finished run's model for `capt eval`, `capt predict` and `capt analyze`.
 """
@@ -223,6 +226,8 @@ def read_run_config(run_dir: str | Path) -> RunConfig:
     them, so `capt eval` and `capt predict` still work; the known keys are checked as for a new run.
     """
     config_file = Path(run_dir) / RUN_CONFIG_NAME
+    if not config_file.is_file() and (Path(run_dir) / CHECKPOINT_NAME).is_file():
+        raise FileNotFoundError(f"{run_dir} holds a run that has not finished: complete it with `capt train --resume`")
     if not config_file.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run folder from `capt train`: no {RUN_CONFIG_NAME}")
     try:
