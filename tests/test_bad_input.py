@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import capt
 from capt.recipes.cli import main
 from capt.recipes.run import RunConfig, read_run_config, run_lock
+from tests.conftest import tiny_llama
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "superglue"
 TINY = ["--model", "tiny-llama", "--task", "cb", "--data-dir", str(DATA), "--limit-train", "16", "--limit-eval", "16"]
@@ -280,7 +282,6 @@ def test_max_length_reserves_the_slots_of_an_absolute_position_table():
 
 
 def test_an_input_as_long_as_the_position_table_is_a_clear_error_under_capt():
-    import capt
     from tests.conftest import tiny_bert_classifier
 
     model = capt.get_capt_model(tiny_bert_classifier(), capt.CaptConfig())  # 64 positions
@@ -290,7 +291,6 @@ def test_an_input_as_long_as_the_position_table_is_a_clear_error_under_capt():
 
 
 def test_an_all_nan_adapter_is_refused():
-    import capt
     from tests.conftest import tiny_bert_model
 
     model = capt.get_capt_model(tiny_bert_model(), capt.CaptConfig())
@@ -409,3 +409,127 @@ def test_a_setting_added_after_a_run_was_written_matches_its_default(finished_ru
     assert read_back(config, 1) is not None
     with pytest.raises(ValueError, match="decoder_head 'lm' -> 'classifier'"):
         read_back(dataclasses.replace(config, decoder_head="classifier"), 1)
+
+
+# ---------------------------------------------------------------------- the library API
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"init_std": math.nan}, "init_std must be a finite number > 0, got nan"),
+        ({"init_std": math.inf}, "init_std must be a finite number > 0, got inf"),
+        ({"init_std": "0.02"}, "init_std must be a finite number > 0, got '0.02'"),
+        ({"instance_aware": "no"}, "instance_aware must be True or False, got 'no'"),
+        ({"share_instance_module": "no"}, "share_instance_module must be True or False, got 'no'"),
+        ({"modules_to_save": "classifier"}, "modules_to_save must be a list of module names"),
+        ({"modules_to_save": ["classifier", 3]}, "modules_to_save must be a list of module names"),
+        ({"layers_path": ""}, "layers_path must be a dotted path such as 'model.layers' or None, got ''"),
+    ],
+)
+def test_a_bad_capt_config_field_is_refused_naming_it(settings, message):
+
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        capt.CaptConfig(**settings)
+
+
+def test_a_projection_rank_beyond_the_hidden_size_is_refused_before_allocating():
+
+    with pytest.raises(ValueError, match="CaptConfig.rank 1000000000 is beyond this model's hidden size 32"):
+        capt.get_capt_model(tiny_llama(), capt.CaptConfig(variant="project", rank=10**9))
+
+
+def test_get_capt_model_checks_its_arguments():
+    from peft import LoraConfig, get_peft_model
+
+    with pytest.raises(TypeError, match="base_model must be a transformers PreTrainedModel, got Linear"):
+        capt.get_capt_model(torch.nn.Linear(3, 3))
+    with pytest.raises(TypeError, match=r"config must be a CaptConfig, got dict; for a dict use CaptConfig.from_dict"):
+        capt.get_capt_model(tiny_llama(), {"num_slots": 2})
+    lora = get_peft_model(tiny_llama(), LoraConfig(target_modules=["q_proj"]))
+    with pytest.raises(TypeError, match="base_model is a peft.PeftModel: CaPT would freeze its adapter's weights"):
+        capt.get_capt_model(lora)
+    assert any(p.requires_grad for p in lora.parameters())  # the LoRA weights are left trainable
+
+
+def test_a_model_without_a_token_input_is_refused_at_attach_time():
+    from transformers import ViTConfig, ViTModel
+
+    vit = ViTModel(ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
+    with pytest.raises(ValueError, match="ViTModel takes neither input_ids nor inputs_embeds: CaPT needs a text"):
+        capt.get_capt_model(vit)
+
+
+def test_a_stored_adapter_config_that_is_not_an_object_or_has_a_bad_field_names_the_file(tmp_path):
+
+    config_file = tmp_path / "adapter_config.json"
+    config_file.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=f"{config_file}: expected a JSON object of CaptConfig fields, got list"):
+        capt.CaptConfig.from_pretrained(tmp_path)
+    config_file.write_text(json.dumps({"peft_type": "CAPT", "num_slots": 0}))
+    with pytest.raises(ValueError, match=f"{config_file}: CaptConfig.num_slots must be a positive integer"):
+        capt.CaptConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        ({"input_ids": torch.ones(1, 0, dtype=torch.long)}, r"input_ids has shape \(1, 0\): give at least one"),
+        ({"input_ids": torch.ones(0, 4, dtype=torch.long)}, r"input_ids has shape \(0, 4\): give at least one"),
+        ({"input_ids": [[5, 6, 7]]}, "input_ids must be a torch tensor of token ids, got list"),
+        (
+            {"input_ids": torch.tensor([5, 6, 7])},
+            r"must be integer token ids of shape \(batch, length\), got torch.int64",
+        ),
+        ({"input_ids": torch.ones(1, 3)}, "must be integer token ids of shape .*, got torch.float32"),
+    ],
+)
+def test_empty_or_malformed_inputs_are_refused_up_front(inputs, message):
+
+    model = capt.get_capt_model(tiny_llama())
+    with pytest.raises(ValueError, match=message):
+        model(**inputs)
+    with pytest.raises(ValueError, match=message):
+        model.generate(**inputs, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("name", ["", "a.b", 3])
+def test_an_adapter_name_that_cannot_key_modules_is_refused(name):
+
+    message = f"adapter name must be a non-empty string without '.', got {name!r}"
+    with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        capt.CaptModel(tiny_llama(), capt.CaptConfig(), adapter_name=name)
+    model = capt.get_capt_model(tiny_llama())
+    with pytest.raises(ValueError, match="adapter name must be a non-empty string"):
+        model.add_adapter(name, capt.CaptConfig())
+
+
+def test_add_adapter_and_save_pretrained_check_their_arguments(tmp_path):
+
+    model = capt.get_capt_model(tiny_llama())
+    with pytest.raises(TypeError, match="config must be a CaptConfig, got dict"):
+        model.add_adapter("other", {"init": "normal"})
+    with pytest.raises(ValueError, match=r"no adapter named 'nope' is loaded; loaded: \['default'\]"):
+        model.save_pretrained(tmp_path / "a", adapter_name="nope")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(FileExistsError, match="file is a file; save the adapter into a folder"):
+        model.save_pretrained(tmp_path / "file")
+
+
+def test_a_config_folder_or_an_output_file_names_the_flag(tmp_path, capsys):
+    (tmp_path / "blocker").write_text("")
+    train = ["train", *TINY]
+    assert "--config " + str(tmp_path) + ": a folder; give a YAML file" in _error(
+        capsys, [*train, "--config", str(tmp_path), "--output-dir", str(tmp_path / "out")]
+    )
+    assert "no such file" in _error(capsys, [*train, "--config", str(tmp_path / "none.yaml")])
+    err = _error(capsys, [*train, "--output-dir", str(tmp_path / "blocker")])
+    assert f"--output-dir {tmp_path / 'blocker'}: {tmp_path / 'blocker'} is a file, not a folder" in err
+
+
+def test_causal_lm_labels_of_another_shape_are_refused_before_they_skip_the_target_masking():
+    model = capt.get_capt_model(tiny_llama())
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match=r"labels has shape \(1, 2\), input_ids has \(1, 3\): a causal LM takes one"):
+        model(input_ids=ids, labels=ids[:, :2])
+    assert model(input_ids=ids, labels=ids).loss.isfinite()
