@@ -201,11 +201,14 @@ def test_resume_with_other_settings_is_refused_naming_them(finished_run, tmp_pat
 
     run = tmp_path / "resumed"
     shutil.copytree(finished_run, run)
-    torch.save({}, run / "checkpoint.pt")  # an interrupted run
+    torch.save({}, run / "checkpoint.pt")  # interrupted, by a version whose checkpoints held no settings
     argv = ["train", *TINY, "--epochs", "1", "--output-dir", str(run), "--resume"]
     err = _error(capsys, [*argv, "--lr", "0.5", "--batch-size", "4"])
     assert "cannot resume" in err and "lr 0.01 -> 0.5" in err and "batch_size 16 -> 4" in err
     assert "model 'tiny-llama' -> 'tiny-gpt2'" in _error(capsys, [*argv, "--model", "tiny-gpt2"])
+    settings = {**json.loads((run / "run_config.json").read_text()), "lr": 0.5}
+    torch.save({"config": settings}, run / "checkpoint.pt")  # an overwrite's checkpoint: its settings are checked
+    assert "lr 0.5 -> 0.01" in _error(capsys, argv)
 
 
 def test_overwrite_with_bad_data_leaves_the_finished_run_intact(finished_run, tmp_path, capsys):
