@@ -536,3 +536,21 @@ def test_causal_lm_labels_of_another_shape_are_refused_before_they_skip_the_targ
     with pytest.raises(ValueError, match=r"labels has shape \(1, 2\), input_ids has \(1, 3\): a causal LM takes one"):
         model(input_ids=ids, labels=ids[:, :2])
     assert model(input_ids=ids, labels=ids).loss.isfinite()
+
+
+def test_several_seeds_resume_after_a_kill_between_two_seeds(tmp_path, capsys):
+    """Seed 0 finished, seed 1 killed before its first checkpoint: --resume keeps seed 0 and trains seed 1 (it
+    said "no checkpoint.pt ... start it again with --overwrite", which retrains seed 0 too)."""
+    import shutil
+
+    out = tmp_path / "seeds"
+    argv = ["train", *TINY, "--epochs", "1", "--seeds", "2", "--output-dir", str(out)]
+    assert main(argv) == 0
+    expected = json.loads((out / "results.json").read_text())
+    seed_0 = (out / "seed-0" / "trainable.safetensors").stat().st_mtime_ns
+    shutil.rmtree(out / "seed-1")
+    (out / "results.json").unlink()
+    assert main([*argv, "--resume"]) == 0
+    assert (out / "seed-0" / "trainable.safetensors").stat().st_mtime_ns == seed_0
+    got = json.loads((out / "results.json").read_text())
+    assert got["test"] == expected["test"] and got["seeds"] == [0, 1]

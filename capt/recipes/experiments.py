@@ -64,7 +64,9 @@ def _train_seeds_locked(config: RunConfig, seeds: int, overwrite: bool, resume: 
         if not (overwrite or resume):
             raise FileExistsError(f"{out} already holds {RESULTS_NAME}; pass --overwrite to replace it")
 
-    if resume and not any(out.rglob(CHECKPOINT_NAME)):
+    # Several seeds resume from any finished seed too (a kill between two seeds leaves no checkpoint).
+    progress = [*out.rglob(CHECKPOINT_NAME), *(out.glob(f"seed-*/{RESULTS_NAME}") if seeds > 1 else [])]
+    if resume and not progress:
         raise FileNotFoundError(
             f"cannot resume: no {CHECKPOINT_NAME} under {out} (killed before the first checkpoint?); "
             "start it again with --overwrite"
