@@ -75,6 +75,8 @@ class Capsules(nn.Module):
             if config.variant == "extract":
                 modules = [DepthwiseExtractor(hidden, config.kernel_size, device) for _ in range(count)]
             else:
+                if config.rank > hidden:  # a low-rank projection; a huge rank would try to allocate d x rank floats
+                    raise ValueError(f"CaptConfig.rank {config.rank} is beyond this model's hidden size {hidden}")
                 modules = [LowRankProjector(hidden, config.rank, device) for _ in range(count)]
             self.instance_modules = nn.ModuleList(modules)
 

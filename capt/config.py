@@ -7,6 +7,8 @@ When a supported `peft` is installed, `CaptConfig` is a `peft.PeftConfig`, so th
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -139,8 +141,21 @@ class CaptConfig(config_base()):
                 raise ValueError(f"CaptConfig.{name} must be a positive integer, got {value!r}")
         if self.kernel_size % 2 == 0:
             raise ValueError(f"CaptConfig.kernel_size must be odd (keeps the sequence length), got {self.kernel_size}")
-        if self.init_std <= 0:
-            raise ValueError(f"CaptConfig.init_std must be > 0, got {self.init_std}")
+        std = self.init_std
+        if isinstance(std, bool) or not isinstance(std, (int, float)) or not math.isfinite(std) or std <= 0:
+            raise ValueError(f"CaptConfig.init_std must be a finite number > 0, got {std!r}")
+        for name in ("instance_aware", "share_instance_module"):  # a string such as "no" would read as true
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"CaptConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.layers_path is not None and (not isinstance(self.layers_path, str) or not self.layers_path):
+            raise ValueError(
+                f"CaptConfig.layers_path must be a dotted path such as 'model.layers' or None, got {self.layers_path!r}"
+            )
+        names = self.modules_to_save
+        if names is not None and (isinstance(names, str) or not all(isinstance(n, str) and n for n in names)):
+            raise ValueError(
+                f"CaptConfig.modules_to_save must be a list of module names such as ['classifier'], got {names!r}"
+            )
         if not self.instance_aware and self.variant != "add":
             raise ValueError(
                 f"CaptConfig.variant={self.variant!r} needs instance_aware=True; "
@@ -178,14 +193,20 @@ class CaptConfig(config_base()):
         return {**asdict(self), "peft_type": PEFT_TYPE}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "config") -> CaptConfig:
+    def from_dict(cls, data: Mapping[str, Any], source: str = "config") -> CaptConfig:
+        """A CaptConfig from stored fields (an adapter_config.json); every error names `source`."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{source}: expected a JSON object of CaptConfig fields, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known - set(PEFT_BOOKKEEPING_KEYS))
         if unknown:
             raise ValueError(f"{source}: unknown CaptConfig fields {unknown}")
         if data.get("peft_type", PEFT_TYPE) != PEFT_TYPE:
             raise ValueError(f"{source}: peft_type is {data['peft_type']!r}, expected {PEFT_TYPE!r}")
-        return cls(**{k: v for k, v in data.items() if k in known})
+        try:
+            return cls(**{k: v for k, v in data.items() if k in known})
+        except ValueError as err:
+            raise ValueError(f"{source}: {err}") from err
 
     @classmethod
     def from_pretrained(cls, path: str | Path, subfolder: str | None = None, **hub_kwargs: Any) -> CaptConfig:

@@ -158,6 +158,13 @@ class CapsuleInjector:
     def __init__(self, model: PreTrainedModel, config: CaptConfig, owner: CapsuleOwner):
         if getattr(model, "_capt_attached", False):
             raise ValueError("this model already has a CaPT adapter attached; call .unload() on it first")
+        entry = input_module(model)
+        self._argument_names = list(inspect.signature(entry.forward).parameters)
+        if not {"input_ids", "inputs_embeds"} & set(self._argument_names):  # ViT, Wav2Vec2: no token stream
+            raise ValueError(
+                f"{type(model).__name__} takes neither input_ids nor inputs_embeds: CaPT needs a text model, "
+                "whose input is a sequence of tokens"
+            )
         self.model = model
         self.owner = owner
         self.family = model_family(model)
@@ -179,8 +186,6 @@ class CapsuleInjector:
         self._token_masks: dict[str, torch.Tensor] = {}  # role -> non-padding user tokens (slots excluded)
         self._stream_lengths: dict[str, int] = {}  # role -> length with slots, to strip the output
         self._states: dict[str, _PassState] = {}
-        entry = input_module(model)
-        self._argument_names = list(inspect.signature(entry.forward).parameters)
         # Decoder-only LMs are left-padded; encoders keep their own position scheme (RoBERTa counts from pad_id + 1).
         self._derives_positions = self.family == "decoder" and "position_ids" in self._argument_names
         # T5's encoder takes no position ids: its relative position bias follows the columns. Before left pads, the
@@ -275,6 +280,8 @@ class CapsuleInjector:
         inputs = drop_none(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         if not self.enabled:
             return base_generate(**inputs)
+        if input_ids is not None:
+            check_token_ids(input_ids, "input_ids")
         if input_ids is not None and attention_mask is None:
             # generate() would infer the mask from pad tokens and could mistake the slot for one.
             pad = inputs.get("pad_token_id", self.model.generation_config.pad_token_id)
@@ -335,7 +342,13 @@ class CapsuleInjector:
                     f"model's {self.position_limit} positions: truncate inputs to "
                     f"{self.position_limit - self.num_slots} tokens"
                 )
-            if self.family == "decoder" and "labels" in inputs and inputs["labels"].shape == mask.shape:
+            # Only a causal LM gets labels here: a decoder classifier's head takes them above the trunk.
+            if self.family == "decoder" and "labels" in inputs:
+                if inputs["labels"].shape != mask.shape:
+                    raise ValueError(
+                        f"labels has shape {tuple(inputs['labels'].shape)}, input_ids has {tuple(mask.shape)}: a "
+                        "causal LM takes one label per token (-100 where none)"
+                    )
                 mask = mask & (inputs["labels"] == -100)  # targets never enter: no answer leakage
             if positions and self._derives_positions and "position_ids" not in inputs and "attention_mask" in inputs:
                 # Positions count from the first real token, so that the slot (position 0) is as far from every
@@ -373,7 +386,11 @@ class CapsuleInjector:
         ids, embeds = inputs.get(f"{prefix}input_ids"), inputs.get(f"{prefix}inputs_embeds")
         if ids is None and embeds is None:
             raise ValueError(f"pass {prefix}input_ids or {prefix}inputs_embeds")
+        if ids is not None:
+            check_token_ids(ids, f"{prefix}input_ids")
         shape = ids.shape if ids is not None else embeds.shape[:-1]
+        if 0 in shape:  # the capsule's mean and the slot insertion need a token of an example
+            raise ValueError(f"{prefix}input_ids has shape {tuple(shape)}: give at least one example of one token")
         device = (ids if ids is not None else embeds).device
         mask = inputs.get(f"{prefix}attention_mask")
         if mask is not None and mask.shape != shape:  # BERT would broadcast a wrong-shaped mask without a word
@@ -505,6 +522,16 @@ def _step_batch_size(inputs: dict[str, Any]) -> int:
         if isinstance(inputs.get(key), torch.Tensor):
             return inputs[key].shape[0]
     raise ValueError("pass input_ids or inputs_embeds (decoder_input_ids for an encoder-decoder)")
+
+
+def check_token_ids(ids: Any, name: str) -> None:
+    """A ValueError unless `ids` is an integer tensor of shape (batch, [choices,] length)."""
+    if not isinstance(ids, torch.Tensor):
+        raise ValueError(f"{name} must be a torch tensor of token ids, got {type(ids).__name__}")
+    if ids.dim() < 2 or ids.is_floating_point() or ids.is_complex():
+        raise ValueError(
+            f"{name} must be integer token ids of shape (batch, length), got {ids.dtype} of shape {tuple(ids.shape)}"
+        )
 
 
 def _fit_rows(mask: torch.Tensor, batch: int, length: int) -> torch.Tensor:

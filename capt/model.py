@@ -52,6 +52,8 @@ class CaptModel(nn.Module):
 
     def __init__(self, base_model: PreTrainedModel, config: CaptConfig, adapter_name: str = "default"):
         super().__init__()
+        _check_base_model(base_model)
+        _check_adapter(adapter_name, config)
         self.base_model = base_model
         self.injector = CapsuleInjector(base_model, config, owner=self)
         self.active_adapter = adapter_name
@@ -173,6 +175,7 @@ class CaptModel(nn.Module):
 
     def add_adapter(self, adapter_name: str, config: CaptConfig) -> None:
         """Add a new (untrained, trainable) adapter next to the loaded ones; `set_adapter` activates it."""
+        _check_adapter(adapter_name, config)
         if adapter_name in self.adapter_configs:
             raise ValueError(f"an adapter named {adapter_name!r} is already loaded")
         self.injector.check_compatible(config, adapter_name)
@@ -264,6 +267,7 @@ class CaptModel(nn.Module):
         saves. Saves the active adapter unless `adapter_name` names another loaded one.
         """
         name = adapter_name or self.active_adapter
+        self.require_loaded(name)
         config = {
             **self.adapter_configs[name].to_dict(),
             "base_model": self.injector.fingerprint(),
@@ -341,10 +345,31 @@ def get_capt_model(base_model: PreTrainedModel, config: CaptConfig | None = None
         >>> model.capsule_vectors.shape
         torch.Size([6, 384])
     """
-    return CaptModel(base_model, config or CaptConfig())
+    return CaptModel(base_model, CaptConfig() if config is None else config)
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _check_base_model(base_model: Any) -> None:
+    """A TypeError unless `base_model` is a plain `transformers` model (not a PEFT wrapper, not a bare module)."""
+    if any(cls.__name__ == "PeftModel" for cls in type(base_model).__mro__):
+        raise TypeError(
+            "base_model is a peft.PeftModel: CaPT would freeze its adapter's weights; pass the transformers model "
+            "itself (merge LoRA weights first with merge_and_unload())"
+        )
+    if not isinstance(base_model, PreTrainedModel):
+        raise TypeError(f"base_model must be a transformers PreTrainedModel, got {type(base_model).__name__}")
+
+
+def _check_adapter(adapter_name: Any, config: Any) -> None:
+    """The name keys the adapter's modules (so no dot) and the config must be a CaptConfig."""
+    if not isinstance(adapter_name, str) or not adapter_name or "." in adapter_name:
+        raise ValueError(f"adapter name must be a non-empty string without '.', got {adapter_name!r}")
+    if not isinstance(config, CaptConfig):
+        raise TypeError(
+            f"config must be a CaptConfig, got {type(config).__name__}; for a dict use CaptConfig.from_dict(settings)"
+        )
 
 
 def _forward_signature(base_model: PreTrainedModel) -> inspect.Signature:

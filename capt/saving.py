@@ -52,6 +52,8 @@ def atomic_write_text(target: str | os.PathLike, text: str) -> None:
 def write_adapter(directory: str | os.PathLike, config: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
     """Write an adapter folder: `config` as adapter_config.json, `state` (CaptModel's keys) in PEFT's keys."""
     directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise FileExistsError(f"{directory} is a file; save the adapter into a folder")
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {_file_key(k): v.detach().to("cpu").contiguous() for k, v in state.items()}
     atomic_write(directory / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))

@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import capt
 from capt.recipes.cli import main
 from capt.recipes.run import RunConfig, read_run_config, run_lock
+from tests.conftest import tiny_llama
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "superglue"
 TINY = ["--model", "tiny-llama", "--task", "cb", "--data-dir", str(DATA), "--limit-train", "16", "--limit-eval", "16"]
@@ -199,11 +201,14 @@ def test_resume_with_other_settings_is_refused_naming_them(finished_run, tmp_pat
 
     run = tmp_path / "resumed"
     shutil.copytree(finished_run, run)
-    torch.save({}, run / "checkpoint.pt")  # an interrupted run
+    torch.save({}, run / "checkpoint.pt")  # interrupted, by a version whose checkpoints held no settings
     argv = ["train", *TINY, "--epochs", "1", "--output-dir", str(run), "--resume"]
     err = _error(capsys, [*argv, "--lr", "0.5", "--batch-size", "4"])
     assert "cannot resume" in err and "lr 0.01 -> 0.5" in err and "batch_size 16 -> 4" in err
     assert "model 'tiny-llama' -> 'tiny-gpt2'" in _error(capsys, [*argv, "--model", "tiny-gpt2"])
+    settings = {**json.loads((run / "run_config.json").read_text()), "lr": 0.5}
+    torch.save({"config": settings}, run / "checkpoint.pt")  # an overwrite's checkpoint: its settings are checked
+    assert "lr 0.5 -> 0.01" in _error(capsys, argv)
 
 
 def test_overwrite_with_bad_data_leaves_the_finished_run_intact(finished_run, tmp_path, capsys):
@@ -280,7 +285,6 @@ def test_max_length_reserves_the_slots_of_an_absolute_position_table():
 
 
 def test_an_input_as_long_as_the_position_table_is_a_clear_error_under_capt():
-    import capt
     from tests.conftest import tiny_bert_classifier
 
     model = capt.get_capt_model(tiny_bert_classifier(), capt.CaptConfig())  # 64 positions
@@ -290,7 +294,6 @@ def test_an_input_as_long_as_the_position_table_is_a_clear_error_under_capt():
 
 
 def test_an_all_nan_adapter_is_refused():
-    import capt
     from tests.conftest import tiny_bert_model
 
     model = capt.get_capt_model(tiny_bert_model(), capt.CaptConfig())
@@ -372,3 +375,182 @@ def test_a_name_given_twice_is_refused(argv, message, tmp_path, capsys):
 def test_bad_serve_limits_are_refused_before_the_model_loads(flags, message, capsys):
     err = _error(capsys, ["serve", "--model", "tiny-llama", "--adapters", "a=nowhere", *flags])
     assert message in err
+
+
+def test_a_finished_run_is_read_back_only_under_its_own_settings(finished_run, tmp_path, capsys):
+    """compare and train --resume over a finished folder: read back when the settings match (output_dir and
+    cache_dir cannot change a result), refused naming the settings when they differ (it was read back silently)."""
+    import shutil
+
+    run = tmp_path / "root" / "cb" / "capt"
+    shutil.copytree(finished_run, run)
+    weights = (run / "trainable.safetensors").stat().st_mtime_ns
+    compare = ["compare", "--tasks", "cb", "--methods", "capt", *TINY[4:], "--model", "tiny-llama"]
+    compare += ["--epochs", "1", "--output-dir", str(tmp_path / "root")]
+    assert main(compare) == 0  # another output_dir and cache_dir: read back
+    assert (run / "trainable.safetensors").stat().st_mtime_ns == weights
+    err = _error(capsys, [*compare, "--lr", "0.5", "--batch-size", "4"])
+    assert f"{run} holds a finished run with other settings: lr 0.01 -> 0.5; batch_size 16 -> 4" in err
+    assert "pass --overwrite to replace it or choose another --output-dir" in err
+    assert "seeds 1 -> 2" in _error(capsys, [*compare, "--seeds", "2"])
+    resume = ["train", *TINY, "--epochs", "2", "--output-dir", str(run), "--resume"]
+    assert "epochs 1 -> 2" in _error(capsys, resume)
+    assert (run / "trainable.safetensors").stat().st_mtime_ns == weights
+
+
+def test_a_setting_added_after_a_run_was_written_matches_its_default(finished_run, tmp_path):
+    import shutil
+
+    from capt.recipes.experiments import finished_run as read_back
+
+    run = tmp_path / "old"
+    shutil.copytree(finished_run, run)
+    stored = json.loads((run / "run_config.json").read_text())
+    del stored["decoder_head"]  # as if written before the field existed
+    (run / "run_config.json").write_text(json.dumps(stored))
+    config = read_run_config(run)
+    assert read_back(config, 1) is not None
+    with pytest.raises(ValueError, match="decoder_head 'lm' -> 'classifier'"):
+        read_back(dataclasses.replace(config, decoder_head="classifier"), 1)
+
+
+# ---------------------------------------------------------------------- the library API
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"init_std": math.nan}, "init_std must be a finite number > 0, got nan"),
+        ({"init_std": math.inf}, "init_std must be a finite number > 0, got inf"),
+        ({"init_std": "0.02"}, "init_std must be a finite number > 0, got '0.02'"),
+        ({"instance_aware": "no"}, "instance_aware must be True or False, got 'no'"),
+        ({"share_instance_module": "no"}, "share_instance_module must be True or False, got 'no'"),
+        ({"modules_to_save": "classifier"}, "modules_to_save must be a list of module names"),
+        ({"modules_to_save": ["classifier", 3]}, "modules_to_save must be a list of module names"),
+        ({"layers_path": ""}, "layers_path must be a dotted path such as 'model.layers' or None, got ''"),
+    ],
+)
+def test_a_bad_capt_config_field_is_refused_naming_it(settings, message):
+
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        capt.CaptConfig(**settings)
+
+
+def test_a_projection_rank_beyond_the_hidden_size_is_refused_before_allocating():
+
+    with pytest.raises(ValueError, match="CaptConfig.rank 1000000000 is beyond this model's hidden size 32"):
+        capt.get_capt_model(tiny_llama(), capt.CaptConfig(variant="project", rank=10**9))
+
+
+def test_get_capt_model_checks_its_arguments():
+    from peft import LoraConfig, get_peft_model
+
+    with pytest.raises(TypeError, match="base_model must be a transformers PreTrainedModel, got Linear"):
+        capt.get_capt_model(torch.nn.Linear(3, 3))
+    with pytest.raises(TypeError, match=r"config must be a CaptConfig, got dict; for a dict use CaptConfig.from_dict"):
+        capt.get_capt_model(tiny_llama(), {"num_slots": 2})
+    lora = get_peft_model(tiny_llama(), LoraConfig(target_modules=["q_proj"]))
+    with pytest.raises(TypeError, match="base_model is a peft.PeftModel: CaPT would freeze its adapter's weights"):
+        capt.get_capt_model(lora)
+    assert any(p.requires_grad for p in lora.parameters())  # the LoRA weights are left trainable
+
+
+def test_a_model_without_a_token_input_is_refused_at_attach_time():
+    from transformers import ViTConfig, ViTModel
+
+    vit = ViTModel(ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
+    with pytest.raises(ValueError, match="ViTModel takes neither input_ids nor inputs_embeds: CaPT needs a text"):
+        capt.get_capt_model(vit)
+
+
+def test_a_stored_adapter_config_that_is_not_an_object_or_has_a_bad_field_names_the_file(tmp_path):
+
+    config_file = tmp_path / "adapter_config.json"
+    config_file.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=f"{config_file}: expected a JSON object of CaptConfig fields, got list"):
+        capt.CaptConfig.from_pretrained(tmp_path)
+    config_file.write_text(json.dumps({"peft_type": "CAPT", "num_slots": 0}))
+    with pytest.raises(ValueError, match=f"{config_file}: CaptConfig.num_slots must be a positive integer"):
+        capt.CaptConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        ({"input_ids": torch.ones(1, 0, dtype=torch.long)}, r"input_ids has shape \(1, 0\): give at least one"),
+        ({"input_ids": torch.ones(0, 4, dtype=torch.long)}, r"input_ids has shape \(0, 4\): give at least one"),
+        ({"input_ids": [[5, 6, 7]]}, "input_ids must be a torch tensor of token ids, got list"),
+        (
+            {"input_ids": torch.tensor([5, 6, 7])},
+            r"must be integer token ids of shape \(batch, length\), got torch.int64",
+        ),
+        ({"input_ids": torch.ones(1, 3)}, "must be integer token ids of shape .*, got torch.float32"),
+    ],
+)
+def test_empty_or_malformed_inputs_are_refused_up_front(inputs, message):
+
+    model = capt.get_capt_model(tiny_llama())
+    with pytest.raises(ValueError, match=message):
+        model(**inputs)
+    with pytest.raises(ValueError, match=message):
+        model.generate(**inputs, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("name", ["", "a.b", 3])
+def test_an_adapter_name_that_cannot_key_modules_is_refused(name):
+
+    message = f"adapter name must be a non-empty string without '.', got {name!r}"
+    with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        capt.CaptModel(tiny_llama(), capt.CaptConfig(), adapter_name=name)
+    model = capt.get_capt_model(tiny_llama())
+    with pytest.raises(ValueError, match="adapter name must be a non-empty string"):
+        model.add_adapter(name, capt.CaptConfig())
+
+
+def test_add_adapter_and_save_pretrained_check_their_arguments(tmp_path):
+
+    model = capt.get_capt_model(tiny_llama())
+    with pytest.raises(TypeError, match="config must be a CaptConfig, got dict"):
+        model.add_adapter("other", {"init": "normal"})
+    with pytest.raises(ValueError, match=r"no adapter named 'nope' is loaded; loaded: \['default'\]"):
+        model.save_pretrained(tmp_path / "a", adapter_name="nope")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(FileExistsError, match="file is a file; save the adapter into a folder"):
+        model.save_pretrained(tmp_path / "file")
+
+
+def test_a_config_folder_or_an_output_file_names_the_flag(tmp_path, capsys):
+    (tmp_path / "blocker").write_text("")
+    train = ["train", *TINY]
+    assert "--config " + str(tmp_path) + ": a folder; give a YAML file" in _error(
+        capsys, [*train, "--config", str(tmp_path), "--output-dir", str(tmp_path / "out")]
+    )
+    assert "no such file" in _error(capsys, [*train, "--config", str(tmp_path / "none.yaml")])
+    err = _error(capsys, [*train, "--output-dir", str(tmp_path / "blocker")])
+    assert f"--output-dir {tmp_path / 'blocker'}: {tmp_path / 'blocker'} is a file, not a folder" in err
+
+
+def test_causal_lm_labels_of_another_shape_are_refused_before_they_skip_the_target_masking():
+    model = capt.get_capt_model(tiny_llama())
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match=r"labels has shape \(1, 2\), input_ids has \(1, 3\): a causal LM takes one"):
+        model(input_ids=ids, labels=ids[:, :2])
+    assert model(input_ids=ids, labels=ids).loss.isfinite()
+
+
+def test_several_seeds_resume_after_a_kill_between_two_seeds(tmp_path, capsys):
+    """Seed 0 finished, seed 1 killed before its first checkpoint: --resume keeps seed 0 and trains seed 1 (it
+    said "no checkpoint.pt ... start it again with --overwrite", which retrains seed 0 too)."""
+    import shutil
+
+    out = tmp_path / "seeds"
+    argv = ["train", *TINY, "--epochs", "1", "--seeds", "2", "--output-dir", str(out)]
+    assert main(argv) == 0
+    expected = json.loads((out / "results.json").read_text())
+    seed_0 = (out / "seed-0" / "trainable.safetensors").stat().st_mtime_ns
+    shutil.rmtree(out / "seed-1")
+    (out / "results.json").unlink()
+    assert main([*argv, "--resume"]) == 0
+    assert (out / "seed-0" / "trainable.safetensors").stat().st_mtime_ns == seed_0
+    got = json.loads((out / "results.json").read_text())
+    assert got["test"] == expected["test"] and got["seeds"] == [0, 1]

@@ -126,7 +126,8 @@ def test_sweep_picks_the_rate_by_validation_trains_the_seeds_and_resumes(tmp_pat
 
     monkeypatch.setenv("HOME", str(tmp_path))  # the tokenisation cache
     out = tmp_path / "sweep"
-    argv = ["sweep", "--tasks", "cb", "--methods", "capt", "--lr-grid", "capt=1e-3,3e-1", "--seeds", "2"]
+    cell_argv = ["sweep", "--tasks", "cb", "--methods", "capt", "--seeds", "2"]
+    argv = [*cell_argv, "--lr-grid", "capt=1e-3,3e-1"]
     quick = ["--model", "tiny-llama", "--limit-train", "8", "--limit-eval", "8", "--epochs", "1", "--batch-size", "4"]
     assert main([*argv, *quick, "--data-dir", str(DATA), "--output-dir", str(out)]) == 0
     cell = json.loads((out / "cb" / "capt" / "results.json").read_text())
@@ -141,6 +142,51 @@ def test_sweep_picks_the_rate_by_validation_trains_the_seeds_and_resumes(tmp_pat
     stamp = (out / "cb" / "capt" / "seed-1" / "results.json").stat().st_mtime_ns
     assert main([*argv, *quick, "--data-dir", str(DATA), "--output-dir", str(out)]) == 0  # resumes: trains nothing
     assert (out / "cb" / "capt" / "seed-1" / "results.json").stat().st_mtime_ns == stamp
+
+    # The grid changes: seed-1 follows the chosen rate, retrained when it was trained at another one.
+    def seed_lr() -> float:
+        return json.loads((out / "cb" / "capt" / "seed-1" / "run_config.json").read_text())["lr"]
+
+    chosen, other = cell["chosen_lr"], next(lr for lr in grid if lr != cell["chosen_lr"])
+    rest = [*cell_argv, *quick, "--no-references", "--data-dir", str(DATA), "--output-dir", str(out)]
+    assert main([*rest, "--lr-grid", f"capt={other:g}"]) == 0  # the grid point is read back, seed-1 retrained
+    assert seed_lr() == other
+    assert main([*rest, "--lr-grid", f"capt={chosen:g},{other:g}"]) == 0  # extended: the first winner again
+    assert seed_lr() == chosen
+    again = json.loads((out / "cb" / "capt" / "results.json").read_text())
+    assert again["chosen_lr"] == chosen and again["runs"][1]["test"] == cell["runs"][1]["test"]
+    capsys.readouterr()
+    assert main([*rest, "--lr-grid", f"capt={chosen:g}", "--epochs", "2"]) == 1  # other settings: refused
+    err = capsys.readouterr().err
+    assert "holds a finished run with other settings: epochs 1 -> 2" in err and "--overwrite" in err
+
+
+def test_the_committed_smollm2_study_is_read_back_not_retrained(tmp_path, monkeypatch):
+    """The study command over a copy of the committed CB cells reads every run back and rewrites the same cells."""
+    from capt.recipes import experiments
+    from capt.recipes.cli import main
+
+    repo = Path(__file__).resolve().parents[1]
+    study = Path("results") / "smollm2-study"
+    for method in ("capt", "deep-prompt"):
+        for stored in (repo / study / "cb" / method).rglob("*.json*"):  # results, run_config, metrics.jsonl
+            copy = tmp_path / stored.relative_to(repo)
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            copy.write_bytes(stored.read_bytes())
+    cells = {m: (tmp_path / study / "cb" / m / "results.json").read_text() for m in ("capt", "deep-prompt")}
+
+    def no_training(config, resume=False):
+        raise AssertionError(f"{config.output_dir} was trained again")
+
+    monkeypatch.setattr(experiments, "train", no_training)
+    monkeypatch.setenv("HOME", str(tmp_path))  # another cache_dir than the study's: it cannot change a result
+    monkeypatch.chdir(tmp_path)
+    argv = ["sweep", "--config", str(repo / "configs" / "smollm2-study.yaml"), "--tasks", "cb"]
+    argv += ["--methods", "capt,deep-prompt", "--seeds", "3", "--max-length", "160"]
+    argv += ["--data-dir", "../shared/data/superglue", "--output-dir", str(study), "--no-references"]
+    assert main(argv) == 0
+    for method, text in cells.items():
+        assert (tmp_path / study / "cb" / method / "results.json").read_text() == text  # rebuilt the same
 
 
 def test_sweep_table_gives_parameters_and_the_average_of_methods_with_every_task():

@@ -88,6 +88,27 @@ def test_a_kill_before_the_first_checkpoint_says_to_start_again(reference, tmp_p
     _same_run(out, reference)
 
 
+def test_an_overwrite_killed_mid_training_leaves_the_old_run_whole(reference, tmp_path, monkeypatch):
+    """The old settings, weights and results stay together (and `capt eval` works) until the new run finishes;
+    `--resume` then completes the overwrite, checked against the settings its checkpoint holds."""
+    from capt.recipes.cli import main
+
+    out = tmp_path / "run"
+    assert _capt(tmp_path, out, "--lr", "0.02").returncode == 0  # the finished run to overwrite
+    finished = ("results.json", "run_config.json", "trainable.safetensors")
+    kept = {name: (out / name).read_bytes() for name in finished}
+    _capt(tmp_path, out, "--overwrite", pause="checkpoint@3")  # the new run (--lr 0.05), killed in epoch 1
+    assert {name: (out / name).read_bytes() for name in finished} == kept
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert main(["eval", "--adapter", str(out)]) == 0
+    refused = _capt(tmp_path, out)
+    assert refused.returncode == 1 and "pass --resume to complete the re-run" in refused.stderr
+    resumed = _capt(tmp_path, out, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    _same_run(out, reference)
+    assert json.loads((out / "run_config.json").read_text())["lr"] == 0.05
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or sys.platform != "linux", reason="mounting a tmpfs needs root on Linux")
 def test_a_full_disk_is_one_clear_line_and_keeps_the_checkpoint(reference, tmp_path):
     disk = tmp_path / "disk"

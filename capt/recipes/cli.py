@@ -152,6 +152,8 @@ def _read_yaml(path: str) -> dict[str, Any]:
                 seen.add(key)
             return super().construct_mapping(node, deep)
 
+    if not Path(path).is_file():
+        raise ValueError(f"--config {path}: {'a folder' if Path(path).is_dir() else 'no such file'}; give a YAML file")
     try:
         loaded = yaml.load(Path(path).read_text(), Loader=UniqueKeyLoader) or {}
     except yaml.YAMLError as err:
@@ -181,9 +183,14 @@ def run_config(args: argparse.Namespace, **fixed: Any) -> RunConfig:
     )
     settings.update(fixed)
     try:
-        return RunConfig(**settings)
+        config = RunConfig(**settings)
     except ValueError as err:
         raise ValueError(f"{args.config}: {err}" if args.config else str(err)) from err
+    out = Path(config.output_dir)
+    existing = next(p for p in (out, *out.parents) if p.exists())  # the folder, or where it would be made
+    if not existing.is_dir():
+        raise ValueError(f"--output-dir {out}: {existing} is a file, not a folder")
+    return config
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -1,6 +1,7 @@
 """Runs of several trainings: the seeds of one setting, a methods x tasks comparison, and a tuned sweep.
 
-All resume: a finished run (its results.json) is read back instead of trained again.
+All resume: a finished run (its results.json) is read back instead of trained again, once its stored settings
+(run_config.json) are those asked for; a finished run with other settings is refused, never silently reused.
 """
 
 from __future__ import annotations
@@ -17,7 +18,17 @@ from ..saving import atomic_write_text
 from .bench.time_to_accuracy import best_epoch_and_time
 from .metrics import superglue_average
 from .reporting import aggregate_seeds, comparison_table
-from .run import CHECKPOINT_NAME, DEFAULT_LR, RESULTS_NAME, RunConfig, read_results, run_lock
+from .run import (
+    CHECKPOINT_NAME,
+    DEFAULT_LR,
+    RESULTS_NAME,
+    RunConfig,
+    describe_differences,
+    read_results,
+    read_run_config,
+    run_lock,
+    setting_differences,
+)
 from .train import pause_point, train
 
 COMPARISON_NAME = "comparison"
@@ -43,30 +54,32 @@ def _train_seeds_locked(config: RunConfig, seeds: int, overwrite: bool, resume: 
     for stale in out.rglob(".*.tmp"):  # left by a writer killed mid-write; we hold the lock, so none is live
         stale.unlink()
     if (out / RESULTS_NAME).exists():
-        if resume and not (out / CHECKPOINT_NAME).exists():
-            return read_results(out / RESULTS_NAME)
+        finished = finished_run(config, seeds) if resume else None
+        if finished is not None:
+            return finished
+        if not (overwrite or resume) and any(out.rglob(CHECKPOINT_NAME)):
+            raise FileExistsError(
+                f"{out} holds a finished run and an interrupted re-run beside it: pass --resume to complete the "
+                "re-run or --overwrite to start it again"
+            )
         if not (overwrite or resume):
             raise FileExistsError(f"{out} already holds {RESULTS_NAME}; pass --overwrite to replace it")
 
-    if resume and not any(out.rglob(CHECKPOINT_NAME)):
+    # Several seeds resume from any finished seed too (a kill between two seeds leaves no checkpoint).
+    progress = [*out.rglob(CHECKPOINT_NAME), *(out.glob(f"seed-*/{RESULTS_NAME}") if seeds > 1 else [])]
+    if resume and not progress:
         raise FileNotFoundError(
             f"cannot resume: no {CHECKPOINT_NAME} under {out} (killed before the first checkpoint?); "
             "start it again with --overwrite"
         )
 
     def run(seed_config: RunConfig) -> dict[str, Any]:
-        seed_out = Path(seed_config.output_dir)
-        if resume and seeds > 1 and (seed_out / RESULTS_NAME).exists() and not (seed_out / CHECKPOINT_NAME).exists():
-            return json.loads((seed_out / RESULTS_NAME).read_text())  # a seed's own results
-        return train(seed_config, resume=resume and (seed_out / CHECKPOINT_NAME).exists())
+        finished = finished_run(seed_config, 1) if resume and seeds > 1 else None
+        if finished is not None:
+            return finished["runs"][0]  # the seed's own results
+        return train(seed_config, resume=resume and (Path(seed_config.output_dir) / CHECKPOINT_NAME).exists())
 
-    if seeds == 1:
-        runs = [run(config)]
-    else:
-        runs = [
-            run(dataclasses.replace(config, seed=config.seed + k, output_dir=str(out / f"seed-{config.seed + k}")))
-            for k in range(seeds)
-        ]
+    runs = [run(seed_config) for seed_config in seed_configs(config, seeds)]
     summary = aggregate_seeds(runs)
     pause_point("summary")
     atomic_write_text(out / RESULTS_NAME, json.dumps(summary, indent=2) + "\n")
@@ -76,7 +89,7 @@ def _train_seeds_locked(config: RunConfig, seeds: int, overwrite: bool, resume: 
 def compare(configs: list[RunConfig], seeds: int, overwrite: bool) -> str:
     """Train every config (each into <output_dir>/<task>/<method>) and write comparison.{md,json} beside them.
 
-    Returns the Markdown table. A cell whose results.json exists is read back unless `overwrite`.
+    Returns the Markdown table. A finished cell is read back unless `overwrite` (refused if its settings differ).
     """
     root = Path(configs[0].output_dir)
     results = [
@@ -90,12 +103,49 @@ def compare(configs: list[RunConfig], seeds: int, overwrite: bool) -> str:
     return table
 
 
-def _finished_or_trained(config: RunConfig, seeds: int, overwrite: bool) -> dict[str, Any]:
-    """The results of config's folder: read back when finished (so an experiment resumes), trained otherwise."""
-    done = Path(config.output_dir) / RESULTS_NAME
-    if done.exists() and not overwrite and not (done.parent / CHECKPOINT_NAME).exists():
-        return read_results(done)
-    return train_seeds(config, seeds, overwrite=True)
+def seed_configs(config: RunConfig, seeds: int) -> list[RunConfig]:
+    """The run of each seed: `config` itself for one seed; for several, seed + k in output_dir/seed-<seed + k>."""
+    if seeds == 1:
+        return [config]
+    out = Path(config.output_dir)
+    return [
+        dataclasses.replace(config, seed=config.seed + k, output_dir=str(out / f"seed-{config.seed + k}"))
+        for k in range(seeds)
+    ]
+
+
+def finished_run(config: RunConfig, seeds: int, retrain: frozenset[str] = frozenset()) -> dict[str, Any] | None:
+    """The summary in config.output_dir when it holds a finished run of `config` over `seeds` seeds, else None.
+
+    None also when the stored settings (run_config.json of the run or of each seed folder) differ only in fields
+    of `retrain`: the caller trains it again. Any other difference in a setting that changes results is refused
+    with a ValueError naming it. Settings missing from a stored file (fields added since) take their defaults.
+    """
+    out = Path(config.output_dir)
+    if not (out / RESULTS_NAME).exists() or any(out.rglob(CHECKPOINT_NAME)):
+        return None  # not finished (a checkpoint: interrupted, perhaps while overwriting)
+    advice = "pass --overwrite to replace it or choose another --output-dir"
+    results = read_results(out / RESULTS_NAME)
+    stored_seeds = len(results["runs"])
+    differing = {"seeds": (stored_seeds, seeds)} if stored_seeds != seeds else {}
+    if not differing:  # the same seeds: compare the settings of each seed's run
+        try:
+            for seed_config in seed_configs(config, seeds):
+                differing.update(setting_differences(seed_config, read_run_config(seed_config.output_dir)))
+        except (OSError, ValueError) as err:
+            raise ValueError(f"cannot check the settings of the finished run in {out} ({err}); {advice}") from err
+    if set(differing) - retrain:
+        raise ValueError(f"{out} holds a finished run with other settings: {describe_differences(differing)}; {advice}")
+    return None if differing else results
+
+
+def _finished_or_trained(
+    config: RunConfig, seeds: int, overwrite: bool, retrain: frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """The results of config's folder: read back when finished with these settings (so an experiment resumes),
+    trained otherwise (see `finished_run` for `retrain` and for the settings that are refused)."""
+    finished = None if overwrite else finished_run(config, seeds, retrain)
+    return finished if finished is not None else train_seeds(config, seeds, overwrite=True)
 
 
 def default_lr_grid(method: str) -> list[float]:
@@ -140,7 +190,8 @@ def sweep(
     the summary over seeds plus "chosen_lr" and "grid" (each rate's validation and test scores, epochs and seconds
     to the best validation score). Ties go to the first rate of the grid. `references` adds the zero-shot backbone
     and the majority class per task. Writes sweep.{md,json} beside the cells and returns the Markdown table; it
-    resumes, as `compare` does, from every finished cell and grid point.
+    resumes, as `compare` does, from every finished grid point and seed (a cell's summary is rebuilt from them, so
+    an extended grid is tuned again); a seed folder trained at a rate that is no longer the chosen one is retrained.
 
     Example:
         >>> table = sweep([RunConfig(task="cb", model="tiny-llama", epochs=1)], {}, seeds=3)  # doctest: +SKIP
@@ -160,10 +211,9 @@ def sweep(
 
 
 def _sweep_cell(config: RunConfig, root: Path, grid: list[float], seeds: int, overwrite: bool) -> dict[str, Any]:
+    # No shortcut through the cell's results.json: it is rebuilt from its runs, each read back only when its
+    # settings match, so a changed grid or setting never returns a stale cell.
     cell = root / config.task / config.method
-    done = cell / RESULTS_NAME
-    if done.exists() and not overwrite:
-        return json.loads(done.read_text())
     points = []
     for lr in grid:
         point = dataclasses.replace(config, lr=lr, seed=0, output_dir=str(cell / "grid" / f"lr-{lr:g}"))
@@ -185,7 +235,8 @@ def _sweep_cell(config: RunConfig, root: Path, grid: list[float], seeds: int, ov
     for seed in range(1, seeds):
         run_dir = cell / f"seed-{seed}"
         seed_config = dataclasses.replace(config, lr=best["lr"], seed=seed, output_dir=str(run_dir))
-        runs.append(_finished_or_trained(seed_config, 1, overwrite)["runs"][0])
+        # A seed folder follows the chosen lr: one trained at another (a grid extended since) is trained again.
+        runs.append(_finished_or_trained(seed_config, 1, overwrite, retrain=frozenset({"lr"}))["runs"][0])
         times.append(best_epoch_and_time(run_dir))
     summary = {
         **aggregate_seeds(runs),
@@ -194,7 +245,7 @@ def _sweep_cell(config: RunConfig, root: Path, grid: list[float], seeds: int, ov
         "seconds_to_best": statistics.fmean(t for _, t in times),
         "grid": [{k: v for k, v in p.items() if k != "run"} for p in points],
     }
-    atomic_write_text(done, json.dumps(summary, indent=2) + "\n")
+    atomic_write_text(cell / RESULTS_NAME, json.dumps(summary, indent=2) + "\n")
     return summary
 
 

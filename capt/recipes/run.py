@@ -2,12 +2,15 @@
 
 A run folder, as `capt train` writes it:
 
-    run_config.json         the settings (RunConfig), written first
-    checkpoint.pt           while the run goes on: weights, optimizer and progress (for --resume)
+    checkpoint.pt           while the run goes on: settings, weights, optimizer and progress (for --resume)
     metrics.jsonl/.csv      one record per step and per epoch
     trainable.safetensors   the best epoch's trainable parameters, whatever the method
+    run_config.json         the settings (RunConfig), written with those weights
     adapter/                for CaPT and Deep Prompt-Tuning: the same weights as a loadable adapter
     results.json            the test scores, written last: a folder with it is a finished run
+
+The finished files are written only at the end, so `--overwrite` leaves the previous run's settings, weights and
+results in place (and usable) until the new ones replace them; only the metrics log starts afresh.
 
 `load_run` rebuilds a finished run's model for `capt eval`, `capt predict` and `capt analyze`.
 """
@@ -22,7 +25,7 @@ import os
 import socket
 import typing
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -225,22 +228,57 @@ def read_run_config(run_dir: str | Path) -> RunConfig:
     them, so `capt eval` and `capt predict` still work; the known keys are checked as for a new run.
     """
     config_file = Path(run_dir) / RUN_CONFIG_NAME
+    if not config_file.is_file() and (Path(run_dir) / CHECKPOINT_NAME).is_file():
+        raise FileNotFoundError(f"{run_dir} holds a run that has not finished: complete it with `capt train --resume`")
     if not config_file.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run folder from `capt train`: no {RUN_CONFIG_NAME}")
     try:
         settings = json.loads(config_file.read_text())
     except ValueError as err:
         raise ValueError(f"{config_file} is not valid JSON ({err}); the run folder is damaged") from err
+    return run_config_from_dict(settings, config_file)
+
+
+def run_config_from_dict(settings: object, source: Path) -> RunConfig:
+    """RunConfig from stored settings (run_config.json, a checkpoint); errors and unknown keys name `source`.
+
+    Fields missing from `settings` (added after the file was written) take their defaults.
+    """
     if not isinstance(settings, dict):
-        raise ValueError(f"{config_file}: expected a JSON object of settings")
+        raise ValueError(f"{source}: expected a JSON object of settings")
     known = {f.name for f in fields(RunConfig)}
     unknown = sorted(set(settings) - known)
     if unknown:
-        warnings.warn(f"{config_file}: ignoring settings this version does not know: {unknown}", stacklevel=2)
+        warnings.warn(f"{source}: ignoring settings this version does not know: {unknown}", stacklevel=3)
     try:
         return RunConfig(**{k: v for k, v in settings.items() if k in known})
     except ValueError as err:
-        raise ValueError(f"{config_file}: {err}") from err
+        raise ValueError(f"{source}: {err}") from err
+
+
+# Settings that cannot change a run's result: where its files live (the data may be reached by another path),
+# how often it checkpoints, the scoring batch size, and whether Hub code may run.
+NOT_RESULT_SETTINGS = frozenset(
+    {"output_dir", "data_dir", "cache_dir", "checkpoint_every", "eval_batch_size", "trust_remote_code"}
+)
+
+
+def setting_differences(
+    config: RunConfig, stored: RunConfig, ignore: frozenset[str] = NOT_RESULT_SETTINGS
+) -> dict[str, tuple[object, object]]:
+    """{field: (stored value, requested value)} for every field outside `ignore` in which the two differ.
+
+    Example:
+        >>> setting_differences(RunConfig(lr=0.5), RunConfig())
+        {'lr': (0.01, 0.5)}
+    """
+    wanted, kept = asdict(config), asdict(stored)
+    return {name: (kept[name], value) for name, value in wanted.items() if name not in ignore and kept[name] != value}
+
+
+def describe_differences(differences: dict[str, tuple[object, object]]) -> str:
+    """`lr 0.01 -> 0.5; epochs 10 -> 3`: stored -> requested, for one-line errors."""
+    return "; ".join(f"{name} {kept!r} -> {wanted!r}" for name, (kept, wanted) in differences.items())
 
 
 def build_model(config: RunConfig) -> tuple[nn.Module, TaskFormat]:

@@ -36,12 +36,17 @@ from .reporting import MetricsLog, plot_learning_curves
 from .run import (
     ADAPTER_DIR,
     CHECKPOINT_NAME,
+    NOT_RESULT_SETTINGS,
     RESULTS_NAME,
     RUN_CONFIG_NAME,
     TRAINABLE_NAME,
     RunConfig,
     build_model,
+    describe_differences,
     load_trainable_state,
+    read_run_config,
+    run_config_from_dict,
+    setting_differences,
     trainable_state,
 )
 
@@ -102,21 +107,21 @@ class TrainingRecipe:
                 f"cannot resume: no {CHECKPOINT_NAME} in {self.out} (killed before the first checkpoint?); "
                 "start it again with --overwrite"
             )
-        if resume:
-            check_resumable(config, self.out)
+        checkpoint = self._read_checkpoint() if resume else None
+        if checkpoint is not None:
+            check_resumable(config, self._checkpoint_settings(checkpoint))
         self.splits = load_splits(config)  # first: a data error stops the run before the model loads
         self._setup_model()
         self._setup_data()
         self._setup_optimizer()
         if accelerator.is_main_process:
-            # Only now, with data and model loaded, does a re-run replace the folder's files: a bad re-run
-            # leaves a finished run as it was.
+            # The folder's finished files (settings, weights, results) stay until finish() replaces them, each as
+            # its new version is written: a re-run that fails or is killed leaves the finished run whole. The new
+            # run's settings travel in its checkpoints meanwhile.
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / RESULTS_NAME).unlink(missing_ok=True)
-            atomic_write_text(self.out / RUN_CONFIG_NAME, json.dumps(asdict(config), indent=2) + "\n")
         self.model, self.optimizer = accelerator.prepare(self.model, self.optimizer)
-        if resume:
-            self._load_checkpoint()
+        if checkpoint is not None:
+            self._load_checkpoint(checkpoint)
             p = self.progress
             accelerator.print(f"resuming at epoch {p.epoch}, batch {p.batch} (step {p.step})")
         if accelerator.is_main_process:
@@ -232,6 +237,7 @@ class TrainingRecipe:
         """Everything a resumed run needs, replaced atomically: a crash leaves the previous checkpoint intact."""
         if self.accelerator.is_main_process:
             state = {
+                "config": asdict(self.config),  # what a resume is checked against (run_config.json comes last)
                 "progress": asdict(self.progress),
                 "trainable": trainable_state(self.accelerator.unwrap_model(self.model)),
                 "best": self.best_state or {},
@@ -242,11 +248,22 @@ class TrainingRecipe:
             atomic_write(self.checkpoint_file, lambda tmp: (torch.save(state, tmp), pause_point("checkpoint")))
         self.accelerator.wait_for_everyone()
 
-    def _load_checkpoint(self) -> None:
+    def _read_checkpoint(self) -> dict[str, Any]:
         try:
-            state = torch.load(self.checkpoint_file, weights_only=True)
+            return torch.load(self.checkpoint_file, weights_only=True)
         except Exception as err:  # a torn or foreign file: say which
             raise ValueError(f"{self.checkpoint_file} is not a readable checkpoint: {err}") from err
+
+    def _checkpoint_settings(self, state: dict[str, Any]) -> RunConfig:
+        """The settings the checkpoint was written under (older checkpoints lack them: their run_config.json)."""
+        try:
+            if "config" in state:
+                return run_config_from_dict(state["config"], self.checkpoint_file)
+            return read_run_config(self.out)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"cannot resume {self.out}: {err}") from err
+
+    def _load_checkpoint(self, state: dict[str, Any]) -> None:
         load_trainable_state(self.accelerator.unwrap_model(self.model), state["trainable"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -283,6 +300,8 @@ class TrainingRecipe:
         if self.accelerator.is_main_process:
             best = {k: v.contiguous() for k, v in self.best_state.items()}
             atomic_write(self.out / TRAINABLE_NAME, lambda tmp: save_file(best, tmp))
+            # The settings go right beside the weights they produced (an overwrite kept the old ones until now).
+            atomic_write_text(self.out / RUN_CONFIG_NAME, json.dumps(asdict(config), indent=2) + "\n")
             pause_point("trainable")
             if isinstance(model, CaptModel):
                 model.save_pretrained(self.out / ADAPTER_DIR)
@@ -304,27 +323,18 @@ def training_loss(fmt: TaskFormat, model: nn.Module, batch: dict[str, Any]) -> t
     return (loss if auxiliary is None else loss + auxiliary), auxiliary
 
 
-# Settings a resumed run may change: where files live, how often it checkpoints, and --epochs (to extend a run;
-# the linear decay is then recomputed for the new total, so the result differs from a run planned that long).
-RESUME_MAY_CHANGE = {"output_dir", "data_dir", "cache_dir", "checkpoint_every", "eval_batch_size", "epochs"}
+# Settings a resumed run may change: those that cannot change its result, and --epochs (to extend a run; the
+# linear decay is then recomputed for the new total, so the result differs from a run planned that long).
+RESUME_MAY_CHANGE = NOT_RESULT_SETTINGS | {"epochs"}
 
 
-def check_resumable(config: RunConfig, out: Path) -> None:
-    """Refuse to resume a run whose settings differ from those in its run_config.json, naming the differences."""
-    try:
-        saved = json.loads((out / RUN_CONFIG_NAME).read_text())
-    except (OSError, ValueError) as err:
-        raise ValueError(f"cannot resume {out}: its {RUN_CONFIG_NAME} is missing or damaged ({err})") from err
-    current = asdict(config)
-    differing = [
-        f"{key} {saved.get(key)!r} -> {value!r}"
-        for key, value in current.items()
-        if key not in RESUME_MAY_CHANGE and saved.get(key) != value
-    ]
+def check_resumable(config: RunConfig, saved: RunConfig) -> None:
+    """Refuse to resume a run whose settings differ from those it was started with, naming the differences."""
+    differing = setting_differences(config, saved, ignore=RESUME_MAY_CHANGE)
     if differing:
         raise ValueError(
-            f"cannot resume {out} with other settings: {'; '.join(differing)}. Resume with the original settings, "
-            "or start again with --overwrite"
+            f"cannot resume {config.output_dir} with other settings: {describe_differences(differing)}. Resume with "
+            "the original settings, or start again with --overwrite"
         )
 
 
