@@ -554,3 +554,15 @@ def test_several_seeds_resume_after_a_kill_between_two_seeds(tmp_path, capsys):
     assert (out / "seed-0" / "trainable.safetensors").stat().st_mtime_ns == seed_0
     got = json.loads((out / "results.json").read_text())
     assert got["test"] == expected["test"] and got["seeds"] == [0, 1]
+
+
+def test_settings_a_method_does_not_read_never_block_its_read_back():
+    """A new default of a method-only setting (DePT's second lr went 1e-4 -> 5e-4) must not make every other
+    method's finished runs "other settings"; for the method that reads it, it still counts."""
+    from capt.recipes.run import RunConfig, setting_differences
+
+    assert setting_differences(RunConfig(method="capt"), RunConfig(method="capt", lr_secondary=1e-4)) == {}
+    assert setting_differences(RunConfig(method="lora", lora_rank=4), RunConfig(method="lora")) == {"lora_rank": (8, 4)}
+    assert setting_differences(RunConfig(method="capt", lora_rank=4), RunConfig(method="capt")) == {}
+    stored = RunConfig(method="dept", lr_secondary=1e-4)
+    assert setting_differences(RunConfig(method="dept"), stored) == {"lr_secondary": (1e-4, 5e-4)}

@@ -263,17 +263,35 @@ NOT_RESULT_SETTINGS = frozenset(
 )
 
 
+# Settings that only some methods read: for any other method they cannot change the result (so a new default,
+# such as DePT's second learning rate, does not turn every finished CaPT run into "other settings").
+METHOD_ONLY_SETTINGS = {
+    "lr_secondary": {"dept"},
+    "deep_prompt_slots": {"deep-prompt"},
+    "virtual_tokens": {"prompt", "ptv2"},
+    "lora_rank": {"lora"},
+}
+
+
 def setting_differences(
     config: RunConfig, stored: RunConfig, ignore: frozenset[str] = NOT_RESULT_SETTINGS
 ) -> dict[str, tuple[object, object]]:
-    """{field: (stored value, requested value)} for every field outside `ignore` in which the two differ.
+    """{field: (stored value, requested value)} for every field in which the two differ, leaving out `ignore` and
+    the settings the requested method does not read (METHOD_ONLY_SETTINGS).
 
     Example:
         >>> setting_differences(RunConfig(lr=0.5), RunConfig())
         {'lr': (0.01, 0.5)}
+        >>> setting_differences(RunConfig(lr_secondary=0.1), RunConfig())  # capt never reads it
+        {}
     """
+    unread = {name for name, methods in METHOD_ONLY_SETTINGS.items() if config.method not in methods}
     wanted, kept = asdict(config), asdict(stored)
-    return {name: (kept[name], value) for name, value in wanted.items() if name not in ignore and kept[name] != value}
+    return {
+        name: (kept[name], value)
+        for name, value in wanted.items()
+        if name not in ignore | unread and kept[name] != value
+    }
 
 
 def describe_differences(differences: dict[str, tuple[object, object]]) -> str:
