@@ -162,18 +162,25 @@ def test_sweep_picks_the_rate_by_validation_trains_the_seeds_and_resumes(tmp_pat
 
 
 def test_the_committed_smollm2_study_is_read_back_not_retrained(tmp_path, monkeypatch):
-    """The study command over a copy of the committed CB cells reads every run back and rewrites the same cells."""
+    """The study command over a copy of the committed CB cells (those read by label words), with the grid each
+    cell records, reads every run back and rewrites the same cells."""
     from capt.recipes import experiments
     from capt.recipes.cli import main
 
     repo = Path(__file__).resolve().parents[1]
     study = Path("results") / "smollm2-study"
-    for method in ("capt", "deep-prompt"):
-        for stored in (repo / study / "cb" / method).rglob("*.json*"):  # results, run_config, metrics.jsonl
+    cells = {}
+    for done in sorted((repo / study / "cb").glob("*/results.json")):
+        grid_run = next(done.parent.glob("grid/*/run_config.json"))
+        if json.loads(grid_run.read_text())["decoder_head"] != "lm":
+            continue
+        cells[done.parent.name] = done.read_text()
+        for stored in done.parent.rglob("*.json*"):  # results, run_config, metrics.jsonl
             copy = tmp_path / stored.relative_to(repo)
             copy.parent.mkdir(parents=True, exist_ok=True)
             copy.write_bytes(stored.read_bytes())
-    cells = {m: (tmp_path / study / "cb" / m / "results.json").read_text() for m in ("capt", "deep-prompt")}
+    assert {"capt", "deep-prompt"} <= set(cells)
+    grids = ";".join(f"{m}=" + ",".join(repr(p["lr"]) for p in json.loads(c)["grid"]) for m, c in cells.items())
 
     def no_training(config, resume=False):
         raise AssertionError(f"{config.output_dir} was trained again")
@@ -181,8 +188,8 @@ def test_the_committed_smollm2_study_is_read_back_not_retrained(tmp_path, monkey
     monkeypatch.setattr(experiments, "train", no_training)
     monkeypatch.setenv("HOME", str(tmp_path))  # another cache_dir than the study's: it cannot change a result
     monkeypatch.chdir(tmp_path)
-    argv = ["sweep", "--config", str(repo / "configs" / "smollm2-study.yaml"), "--tasks", "cb"]
-    argv += ["--methods", "capt,deep-prompt", "--seeds", "3", "--max-length", "160"]
+    argv = ["sweep", "--config", str(repo / "configs" / "smollm2-study.yaml"), "--tasks", "cb", "--lr-grid", grids]
+    argv += ["--methods", ",".join(cells), "--seeds", "3", "--max-length", "160"]
     argv += ["--data-dir", "../shared/data/superglue", "--output-dir", str(study), "--no-references"]
     assert main(argv) == 0
     for method, text in cells.items():
