@@ -196,6 +196,29 @@ def test_the_committed_smollm2_study_is_read_back_not_retrained(tmp_path, monkey
         assert (tmp_path / study / "cb" / method / "results.json").read_text() == text  # rebuilt the same
 
 
+def test_sweep_finished_only_tabulates_what_exists_and_trains_nothing(tmp_path, monkeypatch):
+    from capt.recipes import experiments
+    from capt.recipes.cli import main
+
+    repo = Path(__file__).resolve().parents[1]
+    for method in ("capt", "deep-prompt"):
+        copy = tmp_path / "study" / "cb" / method / "results.json"
+        copy.parent.mkdir(parents=True)
+        copy.write_bytes((repo / "results" / "smollm2-study" / "cb" / method / "results.json").read_bytes())
+
+    def no_training(config, resume=False):
+        raise AssertionError(f"{config.output_dir} was trained")
+
+    monkeypatch.setattr(experiments, "train", no_training)
+    argv = ["sweep", "--tasks", "cb,copa", "--methods", "capt,deep-prompt,lora", "--finished-only", "--no-references"]
+    assert main([*argv, "--model", "smollm2", "--output-dir", str(tmp_path / "study")]) == 0
+    table = (tmp_path / "study" / "sweep.md").read_text()
+    assert "| cb | capt | 17,280 (0.0128%) | 0.03 |" in table and "| cb | deep-prompt |" in table
+    assert "Not finished yet: cb/lora, copa/capt, copa/deep-prompt, copa/lora." in table
+    assert "| average |" not in table  # no method has both tasks
+    assert not (tmp_path / "study" / "cb" / "lora").exists()
+
+
 def test_sweep_table_gives_parameters_and_the_average_of_methods_with_every_task():
     from capt.recipes.experiments import sweep_table
 

@@ -107,6 +107,12 @@ def _parser() -> argparse.ArgumentParser:
         default=True,
         help="add the zero-shot backbone and the majority class per task (default: on)",
     )
+    sweep.add_argument(
+        "--finished-only",
+        action="store_true",
+        help="train nothing: tabulate the cells whose results.json exists and name the others (a study that "
+        "spans sessions reports where it stands)",
+    )
     _add_run_flags(sweep, exclude=("task", "method", "lr", "seed"))
     sweep.set_defaults(handler=_sweep)
     predict = commands.add_parser("predict", help="one backbone, several trained tasks, one mixed input file")
@@ -325,7 +331,7 @@ def _sweep(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"--lr-grid names methods not in --methods: {', '.join(unknown)}")
     configs = [run_config(args, task=task, method=method) for task in tasks for method in methods]
-    print(sweep(configs, grid, args.seeds, args.overwrite, references=args.references))
+    print(sweep(configs, grid, args.seeds, args.overwrite, args.references, args.finished_only))
     return 0
 
 

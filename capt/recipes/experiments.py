@@ -181,7 +181,12 @@ def parse_lr_grid(text: str) -> dict[str, list[float]]:
 
 
 def sweep(
-    configs: list[RunConfig], lr_grid: dict[str, list[float]], seeds: int, overwrite: bool, references: bool = True
+    configs: list[RunConfig],
+    lr_grid: dict[str, list[float]],
+    seeds: int,
+    overwrite: bool,
+    references: bool = True,
+    finished_only: bool = False,
 ) -> str:
     """Tune the learning rate of every method x task on VALIDATION, then train the chosen rate over `seeds` seeds.
 
@@ -192,17 +197,26 @@ def sweep(
     and the majority class per task. Writes sweep.{md,json} beside the cells and returns the Markdown table; it
     resumes, as `compare` does, from every finished grid point and seed (a cell's summary is rebuilt from them, so
     an extended grid is tuned again); a seed folder trained at a rate that is no longer the chosen one is retrained.
+    `finished_only` trains nothing: the table holds the cells whose results.json exists, as written, and names the
+    others below it.
 
     Example:
         >>> table = sweep([RunConfig(task="cb", model="tiny-llama", epochs=1)], {}, seeds=3)  # doctest: +SKIP
     """
     root = Path(configs[0].output_dir)
-    cells = [
-        _sweep_cell(c, root, lr_grid.get(c.method) or default_lr_grid(c.method), seeds, overwrite) for c in configs
-    ]
+    done = [root / c.task / c.method / RESULTS_NAME for c in configs]
+    if finished_only:
+        cells = [json.loads(path.read_text()) for path in done if path.exists()]
+    else:
+        cells = [
+            _sweep_cell(c, root, lr_grid.get(c.method) or default_lr_grid(c.method), seeds, overwrite) for c in configs
+        ]
     tasks = list(dict.fromkeys(c.task for c in configs))
     reference_rows = [reference_results(c) for c in {c.task: c for c in configs}.values()] if references else []
     table = sweep_table(cells, [row for rows in reference_rows for row in rows], tasks)
+    missing = [f"{c.task}/{c.method}" for c, path in zip(configs, done, strict=True) if not path.exists()]
+    if missing:
+        table += f"\nNot finished yet: {', '.join(missing)}.\n"
     atomic_write_text(root / f"{SWEEP_NAME}.md", table)
     summaries = [{k: v for k, v in r.items() if k != "runs"} for r in cells]
     output = {"cells": summaries, "references": reference_rows}
