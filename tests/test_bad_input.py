@@ -566,3 +566,20 @@ def test_settings_a_method_does_not_read_never_block_its_read_back():
     assert setting_differences(RunConfig(method="capt", lora_rank=4), RunConfig(method="capt")) == {}
     stored = RunConfig(method="dept", lr_secondary=1e-4)
     assert setting_differences(RunConfig(method="dept"), stored) == {"lr_secondary": (1e-4, 5e-4)}
+
+
+def test_a_run_of_an_older_method_revision_is_not_read_back_as_this_method(finished_run, tmp_path, capsys, monkeypatch):
+    """A method whose definition changed (a revision bump) must not have its old runs reused by compare/sweep."""
+    import json
+    import shutil
+
+    from capt.recipes import methods
+
+    run = tmp_path / "root" / "cb" / "capt"
+    shutil.copytree(finished_run, run)
+    assert json.loads((run / "results.json").read_text())["runs"][0]["method_revision"] == 1
+    compare = ["compare", "--tasks", "cb", "--methods", "capt", *TINY[4:], "--model", "tiny-llama"]
+    compare += ["--epochs", "1", "--output-dir", str(tmp_path / "root")]
+    monkeypatch.setitem(methods.METHOD_REVISIONS, "capt", 2)  # as if capt's definition had changed since
+    err = _error(capsys, compare)
+    assert f"{run} holds a finished run with other settings: method_revision 1 -> 2" in err

@@ -111,7 +111,8 @@ def _parser() -> argparse.ArgumentParser:
         "--finished-only",
         action="store_true",
         help="train nothing: tabulate the cells whose results.json exists and name the others (a study that "
-        "spans sessions reports where it stands)",
+        "spans sessions reports where it stands); the reference rows still score the backbone unless "
+        "--no-references",
     )
     _add_run_flags(sweep, exclude=("task", "method", "lr", "seed"))
     sweep.set_defaults(handler=_sweep)

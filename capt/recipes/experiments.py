@@ -16,6 +16,7 @@ from typing import Any
 
 from ..saving import atomic_write_text
 from .bench.time_to_accuracy import best_epoch_and_time
+from .methods import method_revision
 from .metrics import superglue_average
 from .reporting import aggregate_seeds, comparison_table
 from .run import (
@@ -128,6 +129,9 @@ def finished_run(config: RunConfig, seeds: int, retrain: frozenset[str] = frozen
     results = read_results(out / RESULTS_NAME)
     stored_seeds = len(results["runs"])
     differing = {"seeds": (stored_seeds, seeds)} if stored_seeds != seeds else {}
+    revisions = {run.get("method_revision", 1) for run in results["runs"]}  # runs before revisions were recorded: 1
+    if revisions != {method_revision(config.method)}:  # the method's definition changed since: another method
+        differing["method_revision"] = (min(revisions), method_revision(config.method))
     if not differing:  # the same seeds: compare the settings of each seed's run
         try:
             for seed_config in seed_configs(config, seeds):

@@ -31,6 +31,22 @@ PROMPT_METHODS = tuple(PROMPT_OPTIONS)  # dept, lopa, idpg, m-idpg, smop, residu
 METHODS = ("capt", "deep-prompt", "prompt", "ptv2", "lora", "ia3", *PROMPT_METHODS, "adapter", "head", "full")
 PEFT_METHODS = ("prompt", "ptv2", "lora", "ia3")
 _PEFT_TASK_TYPES = {"encoder": "SEQ_CLS", "encoder-decoder": "SEQ_2_SEQ_LM", "decoder": "CAUSAL_LM"}
+# A method's definition changes now and then (not its settings: its math or fixed defaults). A run recorded under
+# an older revision is another method, so it is never read back as this one. Unlisted methods are at revision 1.
+# 2 (2026-12-03): the authors' code adopted (docs/baselines-provenance.md): M-IDPG layerb and IDPG's GELU, DePT's
+# alpha / sqrt(r) scaling and Kaiming A, Residual Prompt Tuning's bottleneck 800, adapters train the layer norms,
+# SMoP's load-balancing loss.
+METHOD_REVISIONS = {"idpg": 2, "m-idpg": 2, "dept": 2, "residual": 2, "adapter": 2, "smop": 2}
+
+
+def method_revision(method: str) -> int:
+    """The revision of `method`'s definition that this version trains (recorded in each run's results).
+
+    Example:
+        >>> method_revision("capt"), method_revision("dept")
+        (1, 2)
+    """
+    return METHOD_REVISIONS.get(method, 1)
 
 
 @dataclass(frozen=True)

@@ -85,8 +85,8 @@ class RunConfig:
     patience: int = 3
     lr: float | None = None  # None: the method's default (DEFAULT_LR)
     head_lr: float = 1e-3  # task heads of encoder classifiers, trained alongside input-side methods
-    # DePT's second learning rate, for its low-rank pair A, B (parameters under `secondary`); None: 1e-4, as in
-    # DePT's own setup (the prompt takes --lr).
+    # DePT's second learning rate, for its low-rank pair A, B (parameters under `secondary`); None: 5e-4, the
+    # smallest of the authors' grid (the prompt takes --lr).
     lr_secondary: float | None = None
     weight_decay: float = 0.0
     optimizer: str = "adamw"  # adamw | adafactor

@@ -32,6 +32,7 @@ from ..model import CaptModel, count_parameters
 from ..saving import atomic_write, atomic_write_text
 from .evaluate import encode_cached, evaluate, load_splits, to_device
 from .formats import TaskFormat
+from .methods import method_revision
 from .reporting import MetricsLog, plot_learning_curves
 from .run import (
     ADAPTER_DIR,
@@ -296,6 +297,7 @@ class TrainingRecipe:
             "train_examples": len(self.splits["train"]),
             "test_examples": len(self.splits["test"]),
             "processes": self.accelerator.num_processes,
+            "method_revision": method_revision(config.method),
         }
         if self.accelerator.is_main_process:
             best = {k: v.contiguous() for k, v in self.best_state.items()}
