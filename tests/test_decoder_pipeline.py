@@ -108,6 +108,22 @@ def test_methods_whose_prompt_pass_is_not_exact_score_every_row(method):
     assert torch.equal(table.flatten(), per_row)  # CB: three options per example, none missing
 
 
+def test_bf16_autocast_scores_every_row_even_where_the_prompt_pass_is_exact(monkeypatch):
+    """bf16 rounds the two paths differently (enough to flip near-tied predictions): a --bf16 run stays on the
+    row-by-row path its committed results were made with."""
+    model, fmt, batch = _model_and_batch("capt")
+    assert prompt_pass_is_exact(model)
+
+    def no_prompt_pass(*args, **kwargs):
+        raise AssertionError("one prompt pass under bf16 autocast")
+
+    monkeypatch.setattr(fmt, "scores_from_prompt_pass", no_prompt_pass)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        table = fmt.scores(model, batch)
+        per_row = fmt.row_scores(model, batch["score_inputs"])
+    assert torch.equal(table.flatten(), per_row)
+
+
 @pytest.mark.parametrize("method", DECODER_METHODS)
 def test_training_loss_and_gradients_equal_the_models_own_loss(method):
     model, fmt, batch = _model_and_batch(method)
