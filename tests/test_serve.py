@@ -199,6 +199,35 @@ def test_hot_load_and_unload(server, adapters, tmp_path):
     assert client.delete("/v1/adapters/extra").status_code == 404
 
 
+def sse_events(lines: list[str]) -> list[dict]:
+    """The JSON events of a stream's `data:` lines, without the closing [DONE]."""
+    return [json.loads(line.removeprefix("data: ")) for line in lines if line and line != "data: [DONE]"]
+
+
+def test_unloading_an_adapter_mid_stream_leaves_its_batchmates_alone(server, adapters):
+    """Rows of "rte" and "extra" stream in one batch; "extra" is deleted mid-decode: its stream ends with an error
+    naming it, and "rte" streams on to the very answer it gets alone."""
+    client = server.client
+    body = {"model": "rte", "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0}
+    alone = complete(client, **body)["choices"][0]["text"]
+    assert client.post("/v1/adapters", json={"name": "extra", "path": str(adapters["extra"])}).status_code == 201
+    extra = {**body, "model": "extra", "max_tokens": 256, "stream": True}
+    with (
+        httpx.Client(base_url=server.url, timeout=30) as mine,
+        httpx.Client(base_url=server.url, timeout=30) as theirs,
+        mine.stream("POST", "/v1/completions", json={**body, "stream": True}) as kept,
+        theirs.stream("POST", "/v1/completions", json=extra) as dropped,
+    ):
+        kept_lines, dropped_lines = kept.iter_lines(), dropped.iter_lines()
+        first = next(kept_lines), next(dropped_lines)  # both rows are decoding now
+        assert client.delete("/v1/adapters/extra").status_code == 200
+        kept_events, dropped_events = sse_events([first[0], *kept_lines]), sse_events([first[1], *dropped_lines])
+    assert "".join(event["choices"][0]["text"] for event in kept_events) == alone
+    assert kept_events[-1]["choices"][0]["finish_reason"] == "length"
+    assert dropped_events[-1] == {"error": {"message": "adapter 'extra' was unloaded while this completion ran",
+                                            "type": "server_error"}}  # fmt: skip
+
+
 def test_bad_adapters_are_refused_while_serving(server, adapters, tmp_path):
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()

@@ -77,3 +77,27 @@ def test_rows_that_join_a_running_batch_get_what_they_get_alone(bank):
     alone = [generate_alone(model, tokenizer, name, prompt) for name, prompt in ROWS]
     model.set_adapter("a")
     assert decode_together(model, tokenizer, ROWS, join_at=[0, 0, 3, 6]) == alone
+
+
+def test_unloading_an_adapter_mid_decode_fails_its_rows_only(bank, tmp_path):
+    model, tokenizer = bank
+    alone = generate_alone(model, tokenizer, "a", PROMPTS[0])
+    model.set_adapter("a")
+    model.save_pretrained(tmp_path / "b", adapter_name="b")  # to load "b" back for the other tests
+    events: list[list[dict]] = [[], []]
+    jobs = [
+        Completion(name, prompt_ids(tokenizer, PROMPTS[0]), NEW_TOKENS, 0.0, 1.0, None, [], events[i].append)
+        for i, name in enumerate(("a", "b"))
+    ]
+    batch = DecodeBatch(model, tokenizer, model.num_slots)
+    batch.join(jobs)
+    batch.step()
+    model.delete_adapter("b")
+    try:
+        while batch.rows:
+            batch.step()
+    finally:
+        model.load_adapter(tmp_path / "b", adapter_name="b")
+    assert events[1][-1] == {"error": "adapter 'b' was unloaded while this completion ran"}
+    assert "done" in events[0][-1] and not any("error" in event for event in events[0])
+    assert "".join(event.get("text", "") for event in events[0]) == alone

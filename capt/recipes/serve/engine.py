@@ -261,7 +261,7 @@ class Engine:
             decoding = bool(lane.rows)
             try:
                 lane.join(joining)
-            except Exception as err:  # a bad request or an adapter unloaded meanwhile: the running rows go on
+            except Exception as err:  # a bad request or a model error: the running rows go on
                 for job in joining:
                     job.emit({"error": str(err)})
             else:
@@ -325,6 +325,9 @@ class DecodeBatch:
     @torch.no_grad()
     def join(self, jobs: list[Completion]) -> None:
         """Prefill `jobs` together, choose their first tokens and add the rows that go on to the batch."""
+        jobs = [job for job in jobs if not self._refuse_unloaded(job)]
+        if not jobs:
+            return
         width = max(len(job.prompt_ids) for job in jobs)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ids = torch.tensor([[pad] * (width - len(j.prompt_ids)) + j.prompt_ids for j in jobs], device=self.device)
@@ -363,8 +366,10 @@ class DecodeBatch:
 
     @torch.no_grad()
     def step(self) -> None:
-        """Decode one token for every row whose client is still there; finished rows leave."""
-        self._keep([not row.job.cancelled.is_set() for row in self.rows])  # gone clients leave before the step
+        """Decode one token for every row whose client and adapter are still there; finished rows leave."""
+        # Gone clients and rows of an adapter unloaded since the last step leave before it, so that one
+        # unloaded adapter fails its own rows only, not the whole batch.
+        self._keep([not (row.job.cancelled.is_set() or self._refuse_unloaded(row.job)) for row in self.rows])
         if not self.rows:
             return
         mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), 1)], dim=1)
@@ -386,6 +391,13 @@ class DecodeBatch:
         for row in self.rows:
             row.job.emit({"error": message})
         self._keep([False] * len(self.rows))
+
+    def _refuse_unloaded(self, job: Completion) -> bool:
+        """Whether `job`'s adapter is no longer loaded (unloaded while it waited or decoded); its waiter is told."""
+        if self.num_slots == 0 or job.model in self.model.adapter_configs:
+            return False
+        job.emit({"error": f"adapter {job.model!r} was unloaded while this completion ran"})
+        return True
 
     def _adapter_names(self, jobs: list[Completion]) -> list[str] | None:
         """Each row's adapter, for every pass (prefill and decode steps: heads trained per adapter run at each);
