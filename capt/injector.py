@@ -40,7 +40,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .config import CaptConfig
-from .sites import CapsuleSite, find_sites, hidden_size, model_family
+from .sites import CapsuleSite, find_sites, hidden_size, is_causal_lm, model_family
 from .slots import (
     STREAM_FIELDS,
     batch_and_length,
@@ -168,6 +168,8 @@ class CapsuleInjector:
         self.model = model
         self.owner = owner
         self.family = model_family(model)
+        # Its labels are targets, kept out of the capsule; a classifier's labels are classes its head takes.
+        self._labels_are_targets = self.family == "decoder" and is_causal_lm(model)
         self.sites: list[CapsuleSite] = find_sites(model, config)
         self.num_slots = config.slots_per_layer
         # Prompt tuning writes its slots at the input layer only; they then flow through the model as tokens.
@@ -342,8 +344,7 @@ class CapsuleInjector:
                     f"model's {self.position_limit} positions: truncate inputs to "
                     f"{self.position_limit - self.num_slots} tokens"
                 )
-            # Only a causal LM gets labels here: a decoder classifier's head takes them above the trunk.
-            if self.family == "decoder" and "labels" in inputs:
+            if self._labels_are_targets and "labels" in inputs:
                 if inputs["labels"].shape != mask.shape:
                     raise ValueError(
                         f"labels has shape {tuple(inputs['labels'].shape)}, input_ids has {tuple(mask.shape)}: a "

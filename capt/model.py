@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .baselines.registry import build_slot_module
+from .baselines.registry import auxiliary_loss, build_slot_module
 from .config import WEIGHTS_NAME, CaptConfig
 from .heads import TaskHeads, resolve_head_names
 from .injector import CAPT_INPUTS, CapsuleInjector
@@ -128,8 +128,7 @@ class CaptModel(nn.Module):
         Example:
             >>> loss = task_loss + (model.auxiliary_loss() or 0)  # doctest: +SKIP
         """
-        hook = getattr(self.capsules, "auxiliary_loss", None)
-        return hook() if hook is not None else None
+        return auxiliary_loss(self.capsules)
 
     def generate(
         self,

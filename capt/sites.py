@@ -35,6 +35,12 @@ def model_family(model: PreTrainedModel) -> str:
     return config_family(model.config)
 
 
+def is_causal_lm(model: PreTrainedModel) -> bool:
+    """Whether `model` is its architecture's causal LM (LlamaForCausalLM, GPT2LMHeadModel), whose labels are the
+    next-token targets, one per token; a decoder classifier (LlamaForTokenClassification) is not."""
+    return type(model).__name__ == MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model.config.model_type)
+
+
 def config_family(config: PretrainedConfig) -> str:
     """The family of a model from its config alone (before any weights are loaded)."""
     if getattr(config, "is_encoder_decoder", False):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import batch_inputs, build
+from conftest import batch_inputs, build, randomize_capsules
 
 import capt
 from capt.recipes.analysis import anchor_metrics, capture_attention, example_maps, instance_tokens, role_matrix
@@ -40,6 +40,29 @@ def test_attention_rows_sum_to_one_with_the_slot_kept(name):
             assert weights.shape[-1] == tokens + 1, stream
     if name == "llama":  # causal: nothing attends ahead, so the slot attends only to itself
         assert torch.equal(streams["decoder"][..., 0, 0], torch.ones_like(streams["decoder"][..., 0, 0]))
+
+
+@pytest.mark.parametrize("target", ["encoder", "both"])
+def test_captured_t5_attentions_of_a_left_padded_row_are_the_row_alone_in_the_callers_columns(target):
+    # CaPT runs the T5 encoder right-aligned; the capture must still come in the caller's columns.
+    base = build("t5")
+    use_eager_attention(base)
+    model = capt.get_capt_model(base, capt.CaptConfig(target=target))
+    randomize_capsules(model)
+    row = torch.tensor([5, 6, 7, 8])
+    pads = 3
+    padded = {
+        "input_ids": torch.cat([torch.zeros(pads, dtype=torch.long), row])[None],
+        "attention_mask": torch.tensor([[0] * pads + [1] * len(row)]),
+        "decoder_input_ids": torch.tensor([[0, 9, 10]]),
+    }
+    batch = capture_attention(model, padded)
+    alone = capture_attention(model, {"input_ids": row[None], "decoder_input_ids": padded["decoder_input_ids"]})
+    kept = torch.tensor([0, *range(1 + pads, 1 + pads + len(row))])  # the slot, then the row's real columns
+    encoder = batch["encoder"][..., kept[:, None], kept]
+    torch.testing.assert_close(encoder, alone["encoder"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(batch["cross"][..., kept], alone["cross"], atol=1e-5, rtol=0)
+    assert torch.all(batch["encoder"][..., 1 : 1 + pads] == 0)  # nothing attends to the caller's pad columns
 
 
 def test_capture_asks_for_eager_attention():

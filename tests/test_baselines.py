@@ -226,6 +226,8 @@ def test_smop_load_balancing_loss_equals_the_authors_formula():
     torch.testing.assert_close(model.auxiliary_loss(), expected)
     model.auxiliary_loss().backward()
     assert module.router.weight.grad.abs().sum() > 0  # it trains the router
+    model.eval()
+    assert model.auxiliary_loss() is None  # the last training pass's loss is not an evaluation's
     off = capt.get_capt_model(
         build("llama"), capt.CaptConfig(prompt_method="smop", prompt_options={"balance_weight": 0})
     )

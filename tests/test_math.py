@@ -2,9 +2,11 @@
 
 import pytest
 import torch
-from conftest import build, randomize_capsules
+from conftest import TINY, build, randomize_capsules
+from transformers import LlamaForTokenClassification
 
 import capt
+from capt.recipes.backbones import random_config
 
 
 def _reference_capsule(p, hidden, instance, first):
@@ -116,6 +118,20 @@ def test_causal_lm_loss_is_the_base_loss_on_the_users_tokens():
     logits = out.logits[0, 3:5]
     expected = torch.nn.functional.cross_entropy(logits, labels[0, 4:6])
     assert torch.allclose(out.loss, expected, atol=1e-6)
+
+
+def test_a_decoder_token_classifier_computes_the_same_capsule_with_and_without_labels():
+    # Its labels are per-token classes, not targets: all of its tokens are the instance whether labels are given.
+    torch.manual_seed(0)
+    base = LlamaForTokenClassification(random_config("llama", layers=2, pad_token_id=0, num_labels=3, **TINY))
+    model = capt.get_capt_model(base.eval())
+    randomize_capsules(model)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        trained = model(input_ids=ids, labels=torch.tensor([[0, 1, 2, 1]]))
+        served = model(input_ids=ids)
+    assert trained.loss is not None
+    assert torch.allclose(trained.logits, served.logits, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["bert-cls", "roberta-cls", "t5", "llama", "gpt2"])

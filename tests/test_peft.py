@@ -114,6 +114,26 @@ def test_peft_keeps_causal_targets_out_of_the_capsule():
     assert torch.allclose(first[:, :4], other[:, :4], atol=1e-6)
 
 
+def test_smop_through_peft_gives_the_training_recipe_its_balancing_loss():
+    from capt.recipes.backbones import load_backbone
+    from capt.recipes.data import Example
+    from capt.recipes.formats import make_format
+    from capt.recipes.train import training_loss
+
+    backbone = load_backbone("tiny-llama")
+    options = {"num_prompts": 3, "length": 2, "noise_std": 0.0}  # no router noise: the two losses match
+    config = capt.CaptConfig(task_type="CAUSAL_LM", prompt_method="smop", prompt_options=options)
+    model = peft.get_peft_model(backbone.model, config).train()
+    fmt = make_format(backbone.family, "rte", backbone.tokenizer, 64)
+    examples = [Example("rte", i, {"premise": f"a b {i}", "hypothesis": "c d"}, i % 2) for i in range(4)]
+    batch = fmt.collate([fmt.encode(ex) for ex in examples])
+    total, auxiliary = training_loss(fmt, model, batch)
+    assert auxiliary is not None and auxiliary.item() > 0
+    torch.testing.assert_close(total, fmt.loss(model, batch) + auxiliary)
+    model.eval()
+    assert model.auxiliary_loss() is None  # evaluation adds no balancing loss
+
+
 def test_merging_is_refused_with_a_clear_error_and_unload_restores_the_base():
     base = build("llama")
     inputs = batch_inputs("llama")

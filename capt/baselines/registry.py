@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..capsule import Capsules
@@ -32,3 +33,10 @@ def build_slot_module(config, num_layers: int, hidden: int, device=None) -> nn.M
     if config.prompt_method is not None:
         return build_prompt_module(config.prompt_method, config.prompt_options, num_layers, hidden, device=device)
     return Capsules(config, num_layers, hidden, device=device)
+
+
+def auxiliary_loss(slot_module: nn.Module) -> torch.Tensor | None:
+    """The slot module's auxiliary training loss of the last training pass (SMoP's load balancing); None for a
+    method without one and in evaluation. `CaptModel` and the PEFT tuner both answer `auxiliary_loss()` with it."""
+    hook = getattr(slot_module, "auxiliary_loss", None)
+    return hook() if hook is not None else None

@@ -44,7 +44,8 @@ class SMoPPrompt(nn.Module):
     def auxiliary_loss(self) -> torch.Tensor | None:
         """The load-balancing loss of the last forward pass in training mode, to add to the task loss (None in
         evaluation, or with `balance_weight=0`). `capt.CaptModel.auxiliary_loss` reads it."""
-        return self._balance
+        # The last training pass's loss outlives model.eval(): an evaluation loop must not add it to its loss.
+        return self._balance if self.training else None
 
     def _balancing_loss(self, probs: torch.Tensor, choice: torch.Tensor) -> torch.Tensor | None:
         # Switch-Transformer style: the routed fractions carry no gradient; the mean probabilities do, and they

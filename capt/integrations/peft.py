@@ -17,13 +17,14 @@ from functools import partial
 from typing import Any
 
 import aenum
+import torch
 from peft import mapping
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from peft.utils import ModulesToSaveWrapper, PeftType, register_peft_method
 from peft.utils.other import set_additional_trainable_modules
 from torch import nn
 
-from ..baselines.registry import build_slot_module
+from ..baselines.registry import auxiliary_loss, build_slot_module
 from ..capsule import Capsules
 from ..config import PEFT_TYPE, CaptConfig
 from ..heads import resolve_head_names
@@ -79,6 +80,11 @@ class CaptTuner(BaseTuner):
         if adapter_name not in bank:
             raise ValueError(f"no adapter named {adapter_name!r} is loaded; loaded: {list(bank)}")
         return bank[adapter_name]
+
+    def auxiliary_loss(self) -> torch.Tensor | None:
+        """The active adapter's auxiliary training loss (SMoP's load balancing), as `CaptModel.auxiliary_loss`; the
+        PeftModel answers it too (`peft_model.auxiliary_loss()`), so training recipes find it on either path."""
+        return auxiliary_loss(self.capsules)
 
     # ------------------------------------------------------------------ what PeftModel calls
 

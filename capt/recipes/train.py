@@ -318,7 +318,8 @@ class TrainingRecipe:
 
 def training_loss(fmt: TaskFormat, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(loss, auxiliary) of one training batch: the task loss plus the method's auxiliary loss where it has one
-    (`auxiliary_loss()` of the model, as `CaptModel` offers; SMoP's load balancing), and that auxiliary part."""
+    (`auxiliary_loss()` of the model, as `CaptModel` and a CaPT `PeftModel` offer; SMoP's load balancing), and
+    that auxiliary part."""
     loss = fmt.loss(model, batch)
     hook = getattr(extract_model_from_parallel(model), "auxiliary_loss", None)
     auxiliary = hook() if hook is not None else None

@@ -3,7 +3,10 @@
 `CaptModel` strips the slot from everything it returns, attentions included. The attentions are collected by
 each innermost `transformers` model (BertModel, T5Stack, LlamaModel, ...), the module that runs one layer stack,
 and hold the slot rows there. A forward hook registered with `prepend=True` on that module reads them before
-any CaPT hook (on the same module or an outer one) strips them, so no core change is needed.
+any CaPT hook (on the same module or an outer one) strips them, so no core change is needed. A T5 encoder keeps
+its slot (the decoder attends to it), but CaPT runs it right-aligned and puts the columns back in the caller's
+order in its own hook on the stack: a second hook, after CaPT's, reads the attentions again where the slot rows
+are still there, so they come in the caller's column order.
 """
 
 from __future__ import annotations
@@ -62,10 +65,16 @@ def capture_attention(model: nn.Module, inputs: Mapping[str, Any]) -> dict[str, 
         if output.get("cross_attentions"):
             captured["cross"] = output["cross_attentions"]
 
+    def record_if_kept(stream: str, module: nn.Module, args: tuple, output: Any) -> None:
+        attentions = output.get("attentions")
+        if attentions and captured.get(stream) and attentions[0].shape == captured[stream][0].shape:
+            record(stream, module, args, output)  # the slot rows are kept: take them in the caller's columns
+
     handles = []
     for module in _innermost_models(model):
         stream = "decoder" if family == "decoder" or getattr(module.config, "is_decoder", False) else "encoder"
         handles.append(module.register_forward_hook(partial(record, stream), prepend=True))
+        handles.append(module.register_forward_hook(partial(record_if_kept, stream)))
     try:
         model(**inputs, output_attentions=True)
     finally:
