@@ -1,11 +1,16 @@
-"""`capt serve`'s decode batch on its own (no HTTP): rows of different adapters generating together."""
+"""`capt serve`'s worker on its own (no HTTP): rows of different adapters generating or scored together."""
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
 import capt
 from capt.recipes.backbones import load_backbone
-from capt.recipes.serve.engine import Completion, DecodeBatch
+from capt.recipes.serve.engine import AdapterInfo, Classification, Completion, DecodeBatch, Engine, Limits
+
+RTE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "superglue" / "RTE" / "val.jsonl"
 
 PROMPTS = ["The cat sat on the mat because", "Paris is"]
 ROWS = [("a", PROMPTS[0]), ("b", PROMPTS[1]), ("b", PROMPTS[0]), ("a", PROMPTS[1])]
@@ -101,3 +106,25 @@ def test_unloading_an_adapter_mid_decode_fails_its_rows_only(bank, tmp_path):
     assert events[1][-1] == {"error": "adapter 'b' was unloaded while this completion ran"}
     assert "done" in events[0][-1] and not any("error" in event for event in events[0])
     assert "".join(event.get("text", "") for event in events[0]) == alone
+
+
+def test_unloading_an_adapter_before_its_classification_runs_fails_that_job_only(bank, tmp_path):
+    """Classify jobs for "a" and "b" wait together; "b" is unloaded before the batch runs: "b" gets an error
+    naming it, and "a" exactly what it gets alone (not the error of the shared forward)."""
+    model, tokenizer = bank
+    engine = Engine(model, tokenizer, "decoder", Limits())
+    engine.adapters = {name: AdapterInfo(str(tmp_path), "rte", 256) for name in ("a", "b")}
+    record = json.loads(RTE.read_text().splitlines()[0])
+    items = {name: engine.classification_items([{**record, "task": name}]) for name in ("a", "b")}
+    alone: list[dict] = []
+    engine._run_classifications([Classification(items["a"], alone.append)])
+    model.save_pretrained(tmp_path / "b", adapter_name="b")  # to load "b" back for the other tests
+    events: dict[str, list[dict]] = {"a": [], "b": []}
+    jobs = [Classification(items[name], events[name].append) for name in ("a", "b")]
+    engine.unload("b")
+    try:
+        engine._run_classifications(jobs)
+    finally:
+        model.load_adapter(tmp_path / "b", adapter_name="b")
+    assert events["b"] == [{"error": "adapter 'b' was unloaded while this classification ran"}]
+    assert "results" in alone[0] and events["a"] == alone

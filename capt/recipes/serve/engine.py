@@ -241,13 +241,16 @@ class Engine:
         return jobs
 
     def _run_classifications(self, jobs: list[Classification]) -> None:
+        # A job naming an adapter unloaded since its request was parsed is refused on its own: in the shared
+        # forward its rows would fail every job of the batch, other adapters' too.
+        jobs = [job for job in jobs if not _refuse_unloaded(self.bank, job)]
         if not jobs:
             return
         flat = [item for job in jobs for record in job.items for item in record]
         self.observe("classify", len(flat))
         try:
             scored = iter(score_examples(self.bank, flat, batch_size=max(len(flat), 1)))
-        except Exception as err:  # an adapter unloaded since parsing, or a model error: tell every waiter
+        except Exception as err:  # a model error: tell every waiter
             for job in jobs:
                 job.emit({"error": str(err)})
             return
@@ -393,11 +396,8 @@ class DecodeBatch:
         self._keep([False] * len(self.rows))
 
     def _refuse_unloaded(self, job: Completion) -> bool:
-        """Whether `job`'s adapter is no longer loaded (unloaded while it waited or decoded); its waiter is told."""
-        if self.num_slots == 0 or job.model in self.model.adapter_configs:
-            return False
-        job.emit({"error": f"adapter {job.model!r} was unloaded while this completion ran"})
-        return True
+        """Whether `job`'s adapter is no longer loaded (never in the base model's batch); its waiter is told."""
+        return self.num_slots > 0 and _refuse_unloaded(self.model, job)
 
     def _adapter_names(self, jobs: list[Completion]) -> list[str] | None:
         """Each row's adapter, for every pass (prefill and decode steps: heads trained per adapter run at each);
@@ -455,6 +455,20 @@ class DecodeBatch:
         n = self.num_slots
         zeros = states.new_zeros(*states.shape[:-2], columns, states.shape[-1])
         return torch.cat([states[..., :n, :], zeros, states[..., n:, :]], dim=-2)
+
+
+def _refuse_unloaded(bank: CaptModel, job: Completion | Classification) -> bool:
+    """Whether an adapter `job` runs is no longer in `bank` (unloaded while the job waited or ran); its waiter is
+    then told which. A refused job does not run, and the others of its batch go on without it."""
+    if isinstance(job, Completion):
+        names, kind = [job.model], "completion"
+    else:
+        names, kind = [name for record in job.items for name, _, _ in record], "classification"
+    gone = next((name for name in names if name not in bank.adapter_configs), None)
+    if gone is None:
+        return False
+    job.emit({"error": f"adapter {gone!r} was unloaded while this {kind} ran"})
+    return True
 
 
 def _widenable(cache: DynamicCache | None) -> bool:
