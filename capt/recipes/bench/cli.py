@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         options = Options(
-            backbones=_names(args.backbones, BACKBONES + REAL_DECODERS),
+            backbones=_names(args.backbones, BACKBONES + tuple(REAL_DECODERS)),
             lengths=_ints(args.lengths),
             methods=parse_methods(args.methods),
             batch_size=args.batch_size,

@@ -21,7 +21,10 @@ from .methods import Method, attach
 GENERATE_METHODS = ("floor", "capt-add", "prompt-tuning-100")
 BACKBONES = ("minilm", "llama", "t5")  # the default run
 # Real pretrained decoders, run only when named: 30 real layers cost far more CPU than the 2-layer random ones.
-REAL_DECODERS = ("smollm2",)
+REAL_DECODERS = {
+    "smollm2": "SmolLM2-135M-Instruct, real weights: Llama decoder, 30 layers, d=576, causal LM",
+    "gemma3-270m": "Gemma-3-270M, real weights: Gemma-3 decoder, 18 layers (sliding-window and full), d=640, causal LM",
+}
 
 
 @dataclass(frozen=True)
@@ -59,9 +62,9 @@ def build_backbone(name: str, size: RandomSize, seed: int) -> Backbone:
     if name in REAL_DECODERS:
         backbone = load_backbone(name, seed=seed)
         backbone.model.train()
-        backbone.description = "SmolLM2-135M-Instruct, real weights: Llama decoder, 30 layers, d=576, causal LM"
+        backbone.description = REAL_DECODERS[name]
         return backbone
-    raise ValueError(f"unknown backbone {name!r}; choose from {', '.join(BACKBONES + REAL_DECODERS)}")
+    raise ValueError(f"unknown backbone {name!r}; choose from {', '.join(BACKBONES + tuple(REAL_DECODERS))}")
 
 
 def run_backbone(name: str, options: Options, log: Callable[[str], None]) -> dict:
