@@ -95,6 +95,25 @@ def test_health_models_and_metrics(server):
     assert "capt_request_latency_seconds_bucket" in metrics
 
 
+def test_worker_time_is_counted_per_kind_of_forward(server):
+    """capt_worker_seconds_total{kind} grows for the kinds a request runs, so a latency tail can be traced."""
+    before = _metrics(server)
+    complete(server.client, model="rte", prompt="hi", max_tokens=3)
+    after = _metrics(server)
+    grew = {
+        kind
+        for kind in ("classify", "prefill", "decode")
+        if after[f'capt_worker_seconds_total{{kind="{kind}"}}'] > before[f'capt_worker_seconds_total{{kind="{kind}"}}']
+    }
+    assert grew == {"prefill", "decode"}
+    record = {**json.loads((DATA / "RTE" / "val.jsonl").read_text().splitlines()[0]), "task": "rte"}
+    assert server.client.post("/v1/classify", json={"records": [record]}).status_code == 200
+    assert (
+        _metrics(server)['capt_worker_seconds_total{kind="classify"}']
+        > after['capt_worker_seconds_total{kind="classify"}']
+    )
+
+
 def test_completion_is_what_generate_gives(server):
     engine = server.engine
     for name in ("rte", "cb", "base"):

@@ -171,7 +171,13 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(run_level(url, requests[:8], 4))  # warm-up, not measured
             rows, reference = [], None
             for level in levels:
+                busy_before = dict(engine.busy)
                 answers, latencies, wall = asyncio.run(run_level(url, requests, level))
+                busy = {kind: engine.busy[kind] - seconds for kind, seconds in busy_before.items()}
+                by_route = {
+                    route.removeprefix("/v1/"): [t for (r, _), t in zip(requests, latencies, strict=True) if r == route]
+                    for route in ("/v1/completions", "/v1/classify")
+                }
                 reference = reference or answers
                 errors = Counter(str(a) for a in answers if a is None or str(a).startswith("HTTP"))
                 answered = [(a, r) for a, r in zip(answers, reference, strict=True) if str(a) not in errors]
@@ -183,6 +189,12 @@ def main(argv: list[str] | None = None) -> int:
                         "throughput_rps": len(requests) / wall,
                         "p50_ms": 1000 * percentile(latencies, 50),
                         "p99_ms": 1000 * percentile(latencies, 99),
+                        "by_route_p50_p99_ms": {
+                            route: [1000 * percentile(times, 50), 1000 * percentile(times, 99)]
+                            for route, times in by_route.items()
+                            if times
+                        },
+                        "worker_seconds": busy,
                         "wall_s": wall,
                         "lost": sum(errors.values()),
                         "errors": dict(errors),
@@ -225,6 +237,28 @@ def main(argv: list[str] | None = None) -> int:
     lines += [
         f"| {r['concurrency']} | {r['throughput_rps']:.1f} | {r['throughput_rps'] / base:.2f}x | {r['p50_ms']:.0f} "
         f"| {r['p99_ms']:.0f} | {_lost(r)} | {r['differ_from_one_at_a_time']} |"
+        for r in rows
+    ]
+    lines += [
+        "",
+        "Where the time goes: p50 / p99 latency by route, and the worker's time by kind of forward (seconds and share"
+        " of the level's wall time; the rest is waiting for requests, HTTP and tokenizing).",
+        "",
+        "| concurrency | completions p50 / p99 ms | classify p50 / p99 ms | classify s | prefill s | decode s |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['concurrency']} | "
+        + " | ".join(
+            "{:.0f} / {:.0f}".format(*r["by_route_p50_p99_ms"][route]) if route in r["by_route_p50_p99_ms"] else "-"
+            for route in ("completions", "classify")
+        )
+        + " | "
+        + " | ".join(
+            f"{r['worker_seconds'][kind]:.1f} ({r['worker_seconds'][kind] / r['wall_s']:.0%})"
+            for kind in ("classify", "prefill", "decode")
+        )
+        + " |"
         for r in rows
     ]
     if args.note:

@@ -268,3 +268,7 @@ class _EngineCounters:
     def collect(self):
         help_text = "completions that joined a generation batch while it was decoding (continuous batching)"
         yield CounterMetricFamily("capt_batch_joins", help_text, value=self.engine.joins)
+        busy = CounterMetricFamily("capt_worker_seconds", "worker time per kind of forward", labels=["kind"])
+        for kind, seconds in self.engine.busy.items():
+            busy.add_metric([kind], seconds)
+        yield busy

@@ -125,6 +125,9 @@ class Engine:
         # Completions prefilled while their generation batch was decoding: they joined it instead of waiting for it
         # to end (continuous batching). Exposed as capt_batch_joins_total.
         self.joins = 0
+        # Seconds the worker spent in each kind of forward, to tell where a latency tail comes from. Exposed as
+        # capt_worker_seconds_total{kind}.
+        self.busy = dict.fromkeys(("classify", "prefill", "decode"), 0.0)
         self._stop = threading.Event()
         self._held: Completion | None = None  # taken from the queue while the decode batch was full: next in line
         self._thread = threading.Thread(target=self._run, name="capt-serve-worker", daemon=True)
@@ -248,12 +251,15 @@ class Engine:
             return
         flat = [item for job in jobs for record in job.items for item in record]
         self.observe("classify", len(flat))
+        started = time.perf_counter()
         try:
             scored = iter(score_examples(self.bank, flat, batch_size=max(len(flat), 1)))
         except Exception as err:  # a model error: tell every waiter
             for job in jobs:
                 job.emit({"error": str(err)})
             return
+        finally:
+            self.busy["classify"] += time.perf_counter() - started
         for job in jobs:
             job.emit({"results": [[next(scored) for _ in record] for record in job.items]})
 
@@ -262,6 +268,7 @@ class Engine:
         if joining:
             self.observe("prefill", len(joining))
             decoding = bool(lane.rows)
+            started = time.perf_counter()
             try:
                 lane.join(joining)
             except Exception as err:  # a bad request or a model error: the running rows go on
@@ -269,12 +276,17 @@ class Engine:
                     job.emit({"error": str(err)})
             else:
                 self.joins += len(joining) if decoding else 0
+            finally:
+                self.busy["prefill"] += time.perf_counter() - started
         if lane.rows:
             self.observe("completion", len(lane.rows))
+            started = time.perf_counter()
             try:
                 lane.step()
             except Exception as err:
                 lane.fail(str(err))
+            finally:
+                self.busy["decode"] += time.perf_counter() - started
 
 
 @dataclass
