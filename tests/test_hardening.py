@@ -116,6 +116,33 @@ def test_a_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path, 
     assert checkpoint["progress"]["step"] == 4
 
 
+@pytest.mark.parametrize("fast_bf16", [False, True])
+def test_bf16_on_a_cpu_without_bf16_matrix_support_warns_that_it_is_slow(fast_bf16, tmp_path, monkeypatch, capsys):
+    from capt.recipes import train as training
+
+    monkeypatch.setattr(training, "cpu_has_fast_bf16", lambda: fast_bf16)
+    config = RunConfig(
+        model="tiny-llama",
+        task="rte",
+        limit_train=8,
+        limit_eval=4,
+        bf16=True,
+        data_dir=str(DATA),
+        output_dir=str(tmp_path / "run"),
+    )
+    training.TrainingRecipe(config).setup(resume=False)
+    assert (training.SLOW_BF16_WARNING in capsys.readouterr().out) is not fast_bf16
+
+
+def test_the_bf16_probe_matches_the_cpu_flags():
+    from capt.recipes.train import cpu_has_fast_bf16
+
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else None
+    if flags is None or "GenuineIntel" not in flags and "AuthenticAMD" not in flags:
+        pytest.skip("x86 Linux only")
+    assert cpu_has_fast_bf16() == ({"avx512bw", "avx512vl", "avx512dq"} <= set(flags) or "amx_bf16" in flags)
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo process group on Linux")
 def test_two_processes_give_the_metrics_of_one_with_the_same_global_batch(tmp_path):
     env = {**os.environ, "HOME": str(tmp_path)}
