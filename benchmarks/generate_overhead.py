@@ -1,6 +1,6 @@
 """Greedy `generate` on the real SmolLM2-135M: CaPT against the bare base model, interleaved.
 
-    HF_HUB_OFFLINE=1 python benchmarks/generate_overhead.py --rounds 15 --new-tokens 32
+    HF_HUB_OFFLINE=1 python benchmarks/generate_overhead.py --rounds 15 --new-tokens 32 [--prompt-tokens 256]
 
 Each round runs the bare model (no hooks attached) and the CaPT model (attached for the run, then unloaded) on the
 same prompt, in alternating order, on one torch thread. Reported: the median over rounds of the paired ratio
@@ -35,13 +35,21 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=0, help="repeat the request until the chat prompt has at least this many"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     folder = pretrained_folder("smollm2")
     base = AutoModelForCausalLM.from_pretrained(folder).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    chat = [{"role": "user", "content": PROMPT}]
-    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    repeats = 1
+    while True:
+        chat = [{"role": "user", "content": " ".join([PROMPT] * repeats)}]
+        text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        if len(tokenizer(text)["input_ids"]) >= args.prompt_tokens:
+            break
+        repeats += 1
     inputs = tokenizer([text] * args.batch, return_tensors="pt")
     n = args.new_tokens
     kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=tokenizer.pad_token_id)

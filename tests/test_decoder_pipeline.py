@@ -94,7 +94,9 @@ def test_a_bank_with_per_row_adapters_scores_from_one_prompt_pass_too(task, tmp_
         table = fmt.scores(mixed, batch)
         per_row = fmt.row_scores(mixed, inputs)
         only_a = fmt.row_scores(partial(bank, adapter_names=["a"] * len(names)), inputs)
-    torch.testing.assert_close(table[torch.isfinite(table)], per_row, atol=1e-4, rtol=0)
+    # The random lm_heads make these log-likelihoods hundreds of nats: float32 rounding alone (which differs
+    # between AVX2 and AVX512 kernels) reaches 1e-4 there, hence rtol at float32's scale.
+    torch.testing.assert_close(table[torch.isfinite(table)], per_row, atol=1e-4, rtol=1e-6)
     assert not torch.allclose(per_row, only_a, atol=1e-2)  # the "b" rows really answer with their own adapter
 
 
@@ -196,7 +198,8 @@ def test_the_committed_smollm2_study_is_read_back_not_retrained(tmp_path, monkey
             copy.parent.mkdir(parents=True, exist_ok=True)
             copy.write_bytes(stored.read_bytes())
     assert {"capt", "deep-prompt"} <= set(cells)
-    grids = ";".join(f"{m}=" + ",".join(repr(p["lr"]) for p in json.loads(c)["grid"]) for m, c in cells.items())
+    # Each rate as a user types it from the table (6 digits: 0.00333333 for the run trained at 0.01 / 3).
+    grids = ";".join(f"{m}=" + ",".join(f"{p['lr']:g}" for p in json.loads(c)["grid"]) for m, c in cells.items())
 
     def no_training(config, resume=False):
         raise AssertionError(f"{config.output_dir} was trained again")

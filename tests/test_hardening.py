@@ -117,21 +117,25 @@ def test_a_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path, 
 
 
 @pytest.mark.parametrize("fast_bf16", [False, True])
-def test_bf16_on_a_cpu_without_bf16_matrix_support_warns_that_it_is_slow(fast_bf16, tmp_path, monkeypatch, capsys):
+def test_bf16_is_flagged_slow_only_on_a_cpu_without_bf16_matrix_support(fast_bf16, monkeypatch):
     from capt.recipes import train as training
 
     monkeypatch.setattr(training, "cpu_has_fast_bf16", lambda: fast_bf16)
-    config = RunConfig(
-        model="tiny-llama",
-        task="rte",
-        limit_train=8,
-        limit_eval=4,
-        bf16=True,
-        data_dir=str(DATA),
-        output_dir=str(tmp_path / "run"),
-    )
-    training.TrainingRecipe(config).setup(resume=False)
-    assert (training.SLOW_BF16_WARNING in capsys.readouterr().out) is not fast_bf16
+    cpu, bf16 = torch.device("cpu"), RunConfig(bf16=True)
+    assert training.slow_bf16(bf16, cpu) is not fast_bf16
+    assert not training.slow_bf16(RunConfig(bf16=False), cpu)
+    assert not training.slow_bf16(bf16, torch.device("meta"))  # an accelerator: bf16 is its fast path
+
+
+def test_capt_train_bf16_warns_on_this_cpu_exactly_when_it_is_slow(tmp_path):
+    from capt.recipes.train import SLOW_BF16_WARNING, cpu_has_fast_bf16
+
+    out = tmp_path / "run"
+    argv = _cli("train", *TINY, "--limit-train", "4", "--epochs", "1", "--bf16", "--output-dir", str(out))
+    env = {**os.environ, "HOME": str(tmp_path)}
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (SLOW_BF16_WARNING in done.stdout + done.stderr) is not cpu_has_fast_bf16()
 
 
 def test_the_bf16_probe_matches_the_cpu_flags():

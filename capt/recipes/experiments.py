@@ -23,6 +23,7 @@ from .run import (
     CHECKPOINT_NAME,
     DEFAULT_LR,
     RESULTS_NAME,
+    RUN_CONFIG_NAME,
     RunConfig,
     describe_differences,
     read_results,
@@ -234,12 +235,13 @@ def _sweep_cell(config: RunConfig, root: Path, grid: list[float], seeds: int, ov
     cell = root / config.task / config.method
     points = []
     for lr in grid:
-        point = dataclasses.replace(config, lr=lr, seed=0, output_dir=str(cell / "grid" / f"lr-{lr:g}"))
+        folder = cell / "grid" / f"lr-{lr:g}"
+        point = dataclasses.replace(config, lr=_stored_rate(folder, lr), seed=0, output_dir=str(folder))
         result = _finished_or_trained(point, 1, overwrite)["runs"][0]  # the seed's own record
         epochs, seconds = best_epoch_and_time(Path(point.output_dir))
         points.append(
             {
-                "lr": lr,
+                "lr": point.lr,
                 "validation_score": result["best_validation_score"],
                 "test_score": result["score"],
                 "epochs_to_best": epochs,
@@ -265,6 +267,15 @@ def _sweep_cell(config: RunConfig, root: Path, grid: list[float], seeds: int, ov
     }
     atomic_write_text(cell / RESULTS_NAME, json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _stored_rate(folder: Path, lr: float) -> float:
+    """The exact rate of the finished run in `folder` where `lr` rounds to it: folders are named at 6 significant
+    digits, so a grid typed as `0.00333333` reads back the run trained at 0.01 / 3 instead of refusing it."""
+    if not (folder / RUN_CONFIG_NAME).is_file():
+        return lr
+    stored = read_run_config(folder).lr
+    return stored if f"{stored:g}" == f"{lr:g}" else lr
 
 
 def reference_results(config: RunConfig) -> list[dict[str, Any]]:

@@ -79,6 +79,11 @@ def cpu_has_fast_bf16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def slow_bf16(config: RunConfig, device: torch.device) -> bool:
+    """Whether `config` asks for bf16 autocast where it is slower than float32 (a CPU without oneDNN bf16)."""
+    return config.bf16 and device.type == "cpu" and not cpu_has_fast_bf16()
+
+
 def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
     """Run one seed of `config`; writes logs, checkpoints, the best trainable weights and results.json.
 
@@ -124,7 +129,7 @@ class TrainingRecipe:
         checkpoint = self._read_checkpoint() if resume else None
         if checkpoint is not None:
             check_resumable(config, self._checkpoint_settings(checkpoint))
-        if config.bf16 and accelerator.device.type == "cpu" and not cpu_has_fast_bf16():
+        if slow_bf16(config, accelerator.device):
             accelerator.print(SLOW_BF16_WARNING)
         self.splits = load_splits(config)  # first: a data error stops the run before the model loads
         self._setup_model()
