@@ -1,4 +1,4 @@
-"""Greedy `generate` on the real SmolLM2-135M: CaPT against the bare base model, interleaved.
+"""Greedy `generate` on a real decoder LM (SmolLM2-135M, Gemma-3-270M): CaPT against the bare base model, interleaved.
 
     HF_HUB_OFFLINE=1 python benchmarks/generate_overhead.py --rounds 15 --new-tokens 32 [--prompt-tokens 256]
 
@@ -31,6 +31,7 @@ def _timed(run) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2", help="a real decoder backbone: smollm2 or gemma3-270m")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batch", type=int, default=1)
@@ -40,13 +41,19 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    folder = pretrained_folder("smollm2")
+    folder = pretrained_folder(args.model)
     base = AutoModelForCausalLM.from_pretrained(folder).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     repeats = 1
     while True:
-        chat = [{"role": "user", "content": " ".join([PROMPT] * repeats)}]
-        text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        request = " ".join([PROMPT] * repeats)
+        chat = [{"role": "user", "content": request}]
+        # The Gemma-3-270M package is the base model: it has no chat template, so it gets the plain request.
+        text = (
+            tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            if tokenizer.chat_template
+            else request
+        )
         if len(tokenizer(text)["input_ids"]) >= args.prompt_tokens:
             break
         repeats += 1
@@ -76,7 +83,8 @@ def main() -> None:
         base_cpu.append(b_cpu)
         capt_cpu.append(c_cpu)
     print(
-        f"prompt {inputs['input_ids'].shape[1]} tokens, batch {args.batch}, {n} new tokens, {args.rounds} rounds, "
+        f"{args.model}: prompt {inputs['input_ids'].shape[1]} tokens, batch {args.batch}, {n} new tokens, "
+        f"{args.rounds} rounds, "
         f"torch {torch.__version__}, 1 thread"
     )
     print(f"base cpu s/run: median {statistics.median(base_cpu):.3f}; capt: {statistics.median(capt_cpu):.3f}")
