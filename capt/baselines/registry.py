@@ -35,8 +35,9 @@ def build_slot_module(config, num_layers: int, hidden: int, device=None) -> nn.M
     return Capsules(config, num_layers, hidden, device=device)
 
 
-def auxiliary_loss(slot_module: nn.Module) -> torch.Tensor | None:
-    """The slot module's auxiliary training loss of the last training pass (SMoP's load balancing); None for a
-    method without one and in evaluation. `CaptModel` and the PEFT tuner both answer `auxiliary_loss()` with it."""
-    hook = getattr(slot_module, "auxiliary_loss", None)
+def auxiliary_loss(module: nn.Module) -> torch.Tensor | None:
+    """`module.auxiliary_loss()` where it has one, else None: a slot module's loss of the last training pass (SMoP's
+    load balancing; None in evaluation). `CaptModel` and the PEFT tuner answer `auxiliary_loss()` with their slot
+    module's, and the training recipe asks the model it trains."""
+    hook = getattr(module, "auxiliary_loss", None)
     return hook() if hook is not None else None

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 from transformers.optimization import Adafactor
 
+from ..baselines.registry import auxiliary_loss
 from ..model import CaptModel, count_parameters
 from ..saving import atomic_write, atomic_write_text
 from .evaluate import encode_cached, evaluate, load_splits, to_device
@@ -341,8 +342,7 @@ def training_loss(fmt: TaskFormat, model: nn.Module, batch: dict[str, Any]) -> t
     (`auxiliary_loss()` of the model, as `CaptModel` and a CaPT `PeftModel` offer; SMoP's load balancing), and
     that auxiliary part."""
     loss = fmt.loss(model, batch)
-    hook = getattr(extract_model_from_parallel(model), "auxiliary_loss", None)
-    auxiliary = hook() if hook is not None else None
+    auxiliary = auxiliary_loss(extract_model_from_parallel(model))
     return (loss if auxiliary is None else loss + auxiliary), auxiliary
 
 

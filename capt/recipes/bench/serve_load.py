@@ -123,6 +123,15 @@ def _command(argv: list[str]) -> str:
     )
 
 
+def _time_split_row(row: dict) -> str:
+    """A level's row of the "where the time goes" table: latency by route, then the worker's seconds by kind."""
+    routes = row["by_route_p50_p99_ms"]
+    cells = [f"{routes[r][0]:.0f} / {routes[r][1]:.0f}" if r in routes else "-" for r in ("completions", "classify")]
+    seconds = row["worker_seconds"]
+    cells += [f"{seconds[k]:.1f} ({seconds[k] / row['wall_s']:.0%})" for k in ("classify", "prefill", "decode")]
+    return f"| {row['concurrency']} | " + " | ".join(cells) + " |"
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
@@ -247,20 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         "| concurrency | completions p50 / p99 ms | classify p50 / p99 ms | classify s | prefill s | decode s |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
-    lines += [
-        f"| {r['concurrency']} | "
-        + " | ".join(
-            "{:.0f} / {:.0f}".format(*r["by_route_p50_p99_ms"][route]) if route in r["by_route_p50_p99_ms"] else "-"
-            for route in ("completions", "classify")
-        )
-        + " | "
-        + " | ".join(
-            f"{r['worker_seconds'][kind]:.1f} ({r['worker_seconds'][kind] / r['wall_s']:.0%})"
-            for kind in ("classify", "prefill", "decode")
-        )
-        + " |"
-        for r in rows
-    ]
+    lines += [_time_split_row(r) for r in rows]
     if args.note:
         lines += ["", args.note]
     Path(f"{stem}.md").write_text("\n".join(lines) + "\n")

@@ -15,8 +15,8 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -251,15 +251,13 @@ class Engine:
             return
         flat = [item for job in jobs for record in job.items for item in record]
         self.observe("classify", len(flat))
-        started = time.perf_counter()
         try:
-            scored = iter(score_examples(self.bank, flat, batch_size=max(len(flat), 1)))
+            with self._busy("classify"):
+                scored = iter(score_examples(self.bank, flat, batch_size=max(len(flat), 1)))
         except Exception as err:  # a model error: tell every waiter
             for job in jobs:
                 job.emit({"error": str(err)})
             return
-        finally:
-            self.busy["classify"] += time.perf_counter() - started
         for job in jobs:
             job.emit({"results": [[next(scored) for _ in record] for record in job.items]})
 
@@ -268,25 +266,30 @@ class Engine:
         if joining:
             self.observe("prefill", len(joining))
             decoding = bool(lane.rows)
-            started = time.perf_counter()
             try:
-                lane.join(joining)
+                with self._busy("prefill"):
+                    lane.join(joining)
             except Exception as err:  # a bad request or a model error: the running rows go on
                 for job in joining:
                     job.emit({"error": str(err)})
             else:
                 self.joins += len(joining) if decoding else 0
-            finally:
-                self.busy["prefill"] += time.perf_counter() - started
         if lane.rows:
             self.observe("completion", len(lane.rows))
-            started = time.perf_counter()
             try:
-                lane.step()
+                with self._busy("decode"):
+                    lane.step()
             except Exception as err:
                 lane.fail(str(err))
-            finally:
-                self.busy["decode"] += time.perf_counter() - started
+
+    @contextmanager
+    def _busy(self, kind: str) -> Iterator[None]:
+        """Adds the time the block takes (raising or not) to `busy[kind]`."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.busy[kind] += time.perf_counter() - started
 
 
 @dataclass
