@@ -180,13 +180,13 @@ def test_sweep_picks_the_rate_by_validation_trains_the_seeds_and_resumes(tmp_pat
 
 
 def test_the_committed_smollm2_study_is_read_back_not_retrained(tmp_path, monkeypatch):
-    """The study command over a copy of the committed CB cells (those read by label words), with the grid each
+    """The study command over a copy of the committed bf16 CB cells (those read by label words), with the grid each
     cell records, reads every run back and rewrites the same cells."""
     from capt.recipes import experiments
     from capt.recipes.cli import main
 
     repo = Path(__file__).resolve().parents[1]
-    study = Path("results") / "smollm2-study"
+    study = Path("results") / "smollm2-study-bf16"
     cells = {}
     for done in sorted((repo / study / "cb").glob("*/results.json")):
         grid_run = next(done.parent.glob("grid/*/run_config.json"))
@@ -208,7 +208,7 @@ def test_the_committed_smollm2_study_is_read_back_not_retrained(tmp_path, monkey
     monkeypatch.setenv("HOME", str(tmp_path))  # another cache_dir than the study's: it cannot change a result
     monkeypatch.chdir(tmp_path)
     argv = ["sweep", "--config", str(repo / "configs" / "smollm2-study.yaml"), "--tasks", "cb", "--lr-grid", grids]
-    argv += ["--methods", ",".join(cells), "--seeds", "3", "--max-length", "160"]
+    argv += ["--methods", ",".join(cells), "--seeds", "3", "--max-length", "160", "--bf16"]
     argv += ["--data-dir", "../shared/data/superglue", "--output-dir", str(study), "--no-references"]
     assert main(argv) == 0
     for method, text in cells.items():
@@ -223,7 +223,7 @@ def test_sweep_finished_only_tabulates_what_exists_and_trains_nothing(tmp_path, 
     for method in ("capt", "deep-prompt"):
         copy = tmp_path / "study" / "cb" / method / "results.json"
         copy.parent.mkdir(parents=True)
-        copy.write_bytes((repo / "results" / "smollm2-study" / "cb" / method / "results.json").read_bytes())
+        copy.write_bytes((repo / "results" / "smollm2-study-bf16" / "cb" / method / "results.json").read_bytes())
 
     def no_training(config, resume=False):
         raise AssertionError(f"{config.output_dir} was trained")

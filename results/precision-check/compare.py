@@ -1,11 +1,11 @@
-"""bf16 against float32: every float32 re-run under results/precision-check/ beside the committed bf16 study run at
-the same place under results/smollm2-study/ (run from the repository root; prints a Markdown table)."""
+"""bf16 against float32: every run of the float32 study (results/smollm2-study/) beside its bf16 twin, the run at the
+same place in results/smollm2-study-bf16/ (run from the repository root; prints a Markdown table)."""
 
 import json
 import statistics
 from pathlib import Path
 
-CHECK, STUDY = Path("results/precision-check"), Path("results/smollm2-study")
+FP32_STUDY, BF16_STUDY = Path("results/smollm2-study"), Path("results/smollm2-study-bf16")
 
 
 def read(run: Path) -> tuple[dict[int, float], list[float], dict]:
@@ -22,9 +22,12 @@ def test_score(results: dict) -> str:
 
 print("| run | lr | seed | loss gap, median relative (max) | validation by epoch: bf16 / fp32 | test: bf16 | fp32 |")
 print("|---|---|---|---|---|---|---|")
-for fp32_run in sorted(path.parent for path in CHECK.glob("*/*/**/results.json")):
-    where = fp32_run.relative_to(CHECK)
-    (bf16_loss, bf16_val, bf16), (fp32_loss, fp32_val, fp32) = read(STUDY / where), read(fp32_run)
+runs = sorted(path.parent for path in FP32_STUDY.glob("*/*/**/metrics.jsonl"))  # runs, not cell summaries
+for fp32_run in runs:
+    where = fp32_run.relative_to(FP32_STUDY)
+    if not (BF16_STUDY / where / "results.json").exists() or not (fp32_run / "results.json").exists():
+        continue  # no bf16 twin, or still training
+    (bf16_loss, bf16_val, bf16), (fp32_loss, fp32_val, fp32) = read(BF16_STUDY / where), read(fp32_run)
     steps = sorted(set(bf16_loss) & set(fp32_loss))
     relative = [abs(bf16_loss[s] - fp32_loss[s]) / abs(fp32_loss[s]) for s in steps]
     gaps = [abs(bf16_loss[s] - fp32_loss[s]) for s in steps]
