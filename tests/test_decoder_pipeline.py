@@ -220,22 +220,32 @@ def test_sweep_finished_only_tabulates_what_exists_and_trains_nothing(tmp_path, 
     from capt.recipes.cli import main
 
     repo = Path(__file__).resolve().parents[1]
-    for method in ("capt", "deep-prompt"):
-        copy = tmp_path / "study" / "cb" / method / "results.json"
+    archive = repo / "results" / "smollm2-study-bf16"
+    # Two finished cells, and the unfinished LoRA cell's two finished grid points (of three).
+    finished = [Path("cb", method, "results.json") for method in ("capt", "deep-prompt")]
+    finished += [path.relative_to(archive) for path in (archive / "cb" / "lora").glob("grid/*/results.json")]
+    for path in finished:
+        copy = tmp_path / "study" / path
         copy.parent.mkdir(parents=True)
-        copy.write_bytes((repo / "results" / "smollm2-study-bf16" / "cb" / method / "results.json").read_bytes())
+        copy.write_bytes((archive / path).read_bytes())
+    lora_minutes = [json.loads((archive / p).read_text())["wall_time_s"] / 60 for p in finished[2:]]
 
     def no_training(config, resume=False):
         raise AssertionError(f"{config.output_dir} was trained")
 
     monkeypatch.setattr(experiments, "train", no_training)
     argv = ["sweep", "--tasks", "cb,copa", "--methods", "capt,deep-prompt,lora", "--finished-only", "--no-references"]
-    assert main([*argv, "--model", "smollm2", "--output-dir", str(tmp_path / "study")]) == 0
+    assert main([*argv, "--seeds", "3", "--model", "smollm2", "--output-dir", str(tmp_path / "study")]) == 0
     table = (tmp_path / "study" / "sweep.md").read_text()
     assert "| cb | capt | 17,280 (0.0128%) | 0.03 |" in table and "| cb | deep-prompt |" in table
-    assert "Not finished yet: cb/lora, copa/capt, copa/deep-prompt, copa/lora." in table
+    assert len(lora_minutes) == 2
+    pace = f"{sum(lora_minutes) / 2:.0f} min per run so far"
+    lora = f"cb/lora: 2 of 3 grid points, 0 of 2 more seeds (3 runs left, {pace})"
+    untouched = "{}: 0 of 3 grid points, 0 of 2 more seeds (5 runs left)"
+    expected = "; ".join([lora, *(untouched.format(f"copa/{m}") for m in ("capt", "deep-prompt", "lora"))])
+    assert f"Not finished yet: {expected}." in table
     assert "| average |" not in table  # no method has both tasks
-    assert not (tmp_path / "study" / "cb" / "lora").exists()
+    assert not (tmp_path / "study" / "cb" / "lora" / "results.json").exists()  # nor summarises an unfinished cell
 
 
 def test_sweep_table_gives_parameters_and_the_average_of_methods_with_every_task():

@@ -209,19 +209,22 @@ def sweep(
         >>> table = sweep([RunConfig(task="cb", model="tiny-llama", epochs=1)], {}, seeds=3)  # doctest: +SKIP
     """
     root = Path(configs[0].output_dir)
+    grids = [lr_grid.get(c.method) or default_lr_grid(c.method) for c in configs]
     done = [root / c.task / c.method / RESULTS_NAME for c in configs]
     if finished_only:
         cells = [json.loads(path.read_text()) for path in done if path.exists()]
     else:
-        cells = [
-            _sweep_cell(c, root, lr_grid.get(c.method) or default_lr_grid(c.method), seeds, overwrite) for c in configs
-        ]
+        cells = [_sweep_cell(c, root, grid, seeds, overwrite) for c, grid in zip(configs, grids, strict=True)]
     tasks = list(dict.fromkeys(c.task for c in configs))
     reference_rows = [reference_results(c) for c in {c.task: c for c in configs}.values()] if references else []
     table = sweep_table(cells, [row for rows in reference_rows for row in rows], tasks)
-    missing = [f"{c.task}/{c.method}" for c, path in zip(configs, done, strict=True) if not path.exists()]
+    missing = [
+        cell_progress(root / c.task / c.method, grid, seeds)
+        for c, grid, path in zip(configs, grids, done, strict=True)
+        if not path.exists()
+    ]
     if missing:
-        table += f"\nNot finished yet: {', '.join(missing)}.\n"
+        table += f"\nNot finished yet: {'; '.join(missing)}.\n"
     atomic_write_text(root / f"{SWEEP_NAME}.md", table)
     summaries = [{k: v for k, v in r.items() if k != "runs"} for r in cells]
     output = {"cells": summaries, "references": reference_rows}
@@ -267,6 +270,28 @@ def _sweep_cell(config: RunConfig, root: Path, grid: list[float], seeds: int, ov
     }
     atomic_write_text(cell / RESULTS_NAME, json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def cell_progress(cell: Path, grid: list[float], seeds: int) -> str:
+    """Where an unfinished sweep cell stands, for a study that spans sessions: its finished grid points and
+    seeds, the runs left, and the mean wall time of its finished runs (what each run left will take, roughly).
+
+    A finished seed folder counts as done here; the sweep retrains it if the completed grid chooses another rate.
+
+    Example:
+        >>> cell_progress(Path("results/smollm2-study-bf16/cb/lora"), [1.66667e-4, 5e-4, 1.5e-3], 3)
+        'cb/lora: 2 of 3 grid points, 0 of 2 more seeds (3 runs left, 30 min per run so far)'
+    """
+    grid_runs = [cell / "grid" / f"lr-{lr:g}" / RESULTS_NAME for lr in grid]
+    seed_runs = [cell / f"seed-{seed}" / RESULTS_NAME for seed in range(1, seeds)]
+    finished = [path for path in grid_runs + seed_runs if path.exists()]
+    grid_done, seeds_done = sum(p.exists() for p in grid_runs), sum(p.exists() for p in seed_runs)
+    left = len(grid_runs) + len(seed_runs) - len(finished)
+    minutes = [json.loads(path.read_text())["wall_time_s"] / 60 for path in finished]
+    pace = f", {statistics.fmean(minutes):.0f} min per run so far" if minutes else ""
+    more_seeds = f", {seeds_done} of {len(seed_runs)} more seeds" if seed_runs else ""
+    where = f"{cell.parent.name}/{cell.name}: {grid_done} of {len(grid_runs)} grid points{more_seeds}"
+    return f"{where} ({left} runs left{pace})"
 
 
 def _stored_rate(folder: Path, lr: float) -> float:
