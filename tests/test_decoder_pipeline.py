@@ -215,6 +215,50 @@ def test_the_committed_smollm2_study_is_read_back_not_retrained(tmp_path, monkey
         assert (tmp_path / study / "cb" / method / "results.json").read_text() == text  # rebuilt the same
 
 
+def test_sweep_extends_a_grid_whose_best_rate_is_at_its_end(tmp_path, monkeypatch, capsys):
+    """On a copy of the committed bf16 CB CaPT cell (validation 0.0033: 46.5, 0.01: 53.5, 0.03: 64.4, 0.1: 61.0):
+    the grid 0.0033, 0.01 is won by its top, so 0.03 (its ratio, 3x) is added and read back; 0.03 wins again at the
+    new top, so a second extension asks for 0.09, which no run holds."""
+    from capt.recipes import experiments
+    from capt.recipes.cli import main
+
+    repo = Path(__file__).resolve().parents[1]
+    study = Path("results") / "smollm2-study-bf16"
+    for stored in (repo / study / "cb" / "capt").rglob("*.json*"):
+        copy = tmp_path / stored.relative_to(repo)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_bytes(stored.read_bytes())
+
+    def no_training(config, resume=False):
+        raise AssertionError(f"trained {config.output_dir}")
+
+    monkeypatch.setattr(experiments, "train", no_training)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    argv = ["sweep", "--config", str(repo / "configs" / "smollm2-study.yaml"), "--tasks", "cb", "--methods", "capt"]
+    argv += ["--lr-grid", "capt=0.00333333,0.01", "--seeds", "3", "--max-length", "160", "--bf16", "--no-references"]
+    argv += ["--data-dir", "../shared/data/superglue", "--output-dir", str(study)]
+    assert main([*argv, "--extend-grid", "1"]) == 0
+    cell = json.loads((tmp_path / study / "cb" / "capt" / "results.json").read_text())
+    assert [round(p["lr"], 8) for p in cell["grid"]] == [0.00333333, 0.01, 0.03]
+    assert cell["chosen_lr"] == 0.03 and cell["seeds"] == [0, 1, 2]  # the committed seeds at 0.03, read back
+    capsys.readouterr()
+    assert main([*argv, "--extend-grid", "2"]) != 0
+    assert f"trained {study}/cb/capt/grid/lr-0.09 " in capsys.readouterr().err
+    assert main([*argv, "--extend-grid", "-1"]) == 1
+    assert "--extend-grid must be 0 or more" in capsys.readouterr().err
+
+
+def test_the_rate_beyond_the_grid_follows_its_outer_ratio_and_only_a_lone_winner_at_an_end():
+    from capt.recipes.experiments import next_rate_beyond_edge
+
+    assert next_rate_beyond_edge({0.01: 0.5, 0.03: 0.6, 0.1: 0.7}) == pytest.approx(0.1 * 0.1 / 0.03)
+    assert next_rate_beyond_edge({0.03: 0.5, 0.01: 0.7, 0.1: 0.6}) == pytest.approx(0.01 / 3)  # any order
+    assert next_rate_beyond_edge({0.01: 0.5, 0.03: 0.7, 0.1: 0.6}) is None  # inside
+    assert next_rate_beyond_edge({0.01: 0.7, 0.03: 0.7, 0.1: 0.6}) is None  # the end ties with another rate
+    assert next_rate_beyond_edge({0.01: 0.7}) is None  # one rate: no ratio
+
+
 def test_sweep_finished_only_tabulates_what_exists_and_trains_nothing(tmp_path, monkeypatch):
     from capt.recipes import experiments
     from capt.recipes.cli import main

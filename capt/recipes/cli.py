@@ -102,6 +102,14 @@ def _parser() -> argparse.ArgumentParser:
         help="METHOD=LR,LR,...;METHOD=... (default per method: DEFAULT_LR / 3, DEFAULT_LR, 3 x DEFAULT_LR)",
     )
     sweep.add_argument(
+        "--extend-grid",
+        type=int,
+        default=0,
+        metavar="N",
+        help="when a cell's best rate is at an end of its grid, train one more rate beyond that end (at the grid's "
+        "outer ratio: 0.27 when 0.09 wins 0.01,0.03,0.09), up to N times per cell (default 0: the grid as given)",
+    )
+    sweep.add_argument(
         "--references",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -331,8 +339,10 @@ def _sweep(args: argparse.Namespace) -> int:
     unknown = sorted(set(grid) - set(methods))
     if unknown:
         raise ValueError(f"--lr-grid names methods not in --methods: {', '.join(unknown)}")
+    if args.extend_grid < 0:
+        raise ValueError(f"--extend-grid must be 0 or more extensions per cell, got {args.extend_grid}")
     configs = [run_config(args, task=task, method=method) for task in tasks for method in methods]
-    print(sweep(configs, grid, args.seeds, args.overwrite, args.references, args.finished_only))
+    print(sweep(configs, grid, args.seeds, args.overwrite, args.references, args.finished_only, args.extend_grid))
     return 0
 
 

@@ -192,6 +192,7 @@ def sweep(
     overwrite: bool,
     references: bool = True,
     finished_only: bool = False,
+    extend: int = 0,
 ) -> str:
     """Tune the learning rate of every method x task on VALIDATION, then train the chosen rate over `seeds` seeds.
 
@@ -203,7 +204,8 @@ def sweep(
     resumes, as `compare` does, from every finished grid point and seed (a cell's summary is rebuilt from them, so
     an extended grid is tuned again); a seed folder trained at a rate that is no longer the chosen one is retrained.
     `finished_only` trains nothing: the table holds the cells whose results.json exists, as written, and names the
-    others below it.
+    others below it. `extend` > 0: while the best rate is at an end of the grid (alone), one more rate beyond that
+    end is trained, at the grid's outer ratio, up to `extend` times per cell (`next_rate_beyond_edge`).
 
     Example:
         >>> table = sweep([RunConfig(task="cb", model="tiny-llama", epochs=1)], {}, seeds=3)  # doctest: +SKIP
@@ -214,7 +216,7 @@ def sweep(
     if finished_only:
         cells = [json.loads(path.read_text()) for path in done if path.exists()]
     else:
-        cells = [_sweep_cell(c, root, grid, seeds, overwrite) for c, grid in zip(configs, grids, strict=True)]
+        cells = [_sweep_cell(c, root, grid, seeds, overwrite, extend) for c, grid in zip(configs, grids, strict=True)]
     tasks = list(dict.fromkeys(c.task for c in configs))
     reference_rows = [reference_results(c) for c in {c.task: c for c in configs}.values()] if references else []
     table = sweep_table(cells, [row for rows in reference_rows for row in rows], tasks)
@@ -232,28 +234,19 @@ def sweep(
     return table
 
 
-def _sweep_cell(config: RunConfig, root: Path, grid: list[float], seeds: int, overwrite: bool) -> dict[str, Any]:
+def _sweep_cell(
+    config: RunConfig, root: Path, grid: list[float], seeds: int, overwrite: bool, extend: int = 0
+) -> dict[str, Any]:
     # No shortcut through the cell's results.json: it is rebuilt from its runs, each read back only when its
     # settings match, so a changed grid or setting never returns a stale cell.
     cell = root / config.task / config.method
-    points = []
-    for lr in grid:
-        folder = cell / "grid" / f"lr-{lr:g}"
-        point = dataclasses.replace(config, lr=_stored_rate(folder, lr), seed=0, output_dir=str(folder))
-        result = _finished_or_trained(point, 1, overwrite)["runs"][0]  # the seed's own record
-        epochs, seconds = best_epoch_and_time(Path(point.output_dir))
-        points.append(
-            {
-                "lr": point.lr,
-                "validation_score": result["best_validation_score"],
-                "test_score": result["score"],
-                "epochs_to_best": epochs,
-                "seconds_to_best": seconds,
-                "run": result,
-                "dir": point.output_dir,
-            }
-        )
-    best = max(points, key=lambda p: p["validation_score"])  # max keeps the first of equal scores
+    points = [_grid_point(config, cell, lr, overwrite) for lr in grid]
+    for _ in range(extend):
+        beyond = next_rate_beyond_edge({p["lr"]: p["validation_score"] for p in points})
+        if beyond is None:
+            break
+        points.append(_grid_point(config, cell, beyond, overwrite))  # last: a tie keeps the earlier winner
+    best = _best(points)
     runs, times = [best["run"]], [(best["epochs_to_best"], best["seconds_to_best"])]
     for seed in range(1, seeds):
         run_dir = cell / f"seed-{seed}"
@@ -270,6 +263,50 @@ def _sweep_cell(config: RunConfig, root: Path, grid: list[float], seeds: int, ov
     }
     atomic_write_text(cell / RESULTS_NAME, json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _grid_point(config: RunConfig, cell: Path, lr: float, overwrite: bool) -> dict[str, Any]:
+    """One grid point of a sweep cell (seed 0 at `lr`, in cell/grid/lr-<lr>), read back or trained."""
+    folder = cell / "grid" / f"lr-{lr:g}"
+    point = dataclasses.replace(config, lr=_stored_rate(folder, lr), seed=0, output_dir=str(folder))
+    result = _finished_or_trained(point, 1, overwrite)["runs"][0]  # the seed's own record
+    epochs, seconds = best_epoch_and_time(folder)
+    return {
+        "lr": point.lr,
+        "validation_score": result["best_validation_score"],
+        "test_score": result["score"],
+        "epochs_to_best": epochs,
+        "seconds_to_best": seconds,
+        "run": result,
+        "dir": point.output_dir,
+    }
+
+
+def _best(points: list[dict[str, Any]]) -> dict[str, Any]:
+    return max(points, key=lambda p: p["validation_score"])  # max keeps the first of equal scores
+
+
+def next_rate_beyond_edge(validation: dict[float, float]) -> float | None:
+    """{rate: validation score} of a grid -> the rate one step past the end where the best score sits, at the
+    grid's own outer ratio. None when the best is inside the grid, shared with another rate, or the grid has
+    a single rate: then nothing says the optimum lies outside.
+
+    Example:
+        >>> round(next_rate_beyond_edge({0.01: 0.5, 0.03: 0.6, 0.09: 0.7}), 6)
+        0.27
+        >>> round(next_rate_beyond_edge({0.01: 0.7, 0.03: 0.6, 0.09: 0.5}), 6)
+        0.003333
+        >>> next_rate_beyond_edge({0.01: 0.5, 0.03: 0.7, 0.09: 0.6}) is None
+        True
+    """
+    rates = sorted(validation)
+    top = max(validation.values())
+    winners = [lr for lr in rates if validation[lr] == top]
+    if len(rates) < 2 or len(winners) > 1 or winners[0] not in (rates[0], rates[-1]):
+        return None
+    if winners[0] == rates[-1]:
+        return rates[-1] * rates[-1] / rates[-2]
+    return rates[0] * rates[0] / rates[1]
 
 
 def cell_progress(cell: Path, grid: list[float], seeds: int) -> str:
