@@ -88,6 +88,11 @@ def test_train_then_eval_end_to_end(model, tmp_path, capsys):
         assert (out / name).exists(), name
     assert (out / "learning_curves.png").stat().st_size > 1000
     assert "test accuracy" in capsys.readouterr().out
+    # Where the run was made: float32 results agree across CPU kinds only to rounding, so the kind is on record.
+    environment = results["runs"][0]["environment"]
+    assert environment["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert environment["torch_threads"] == torch.get_num_threads()
+    assert environment["versions"]["torch"] == torch.__version__
 
     assert main(["eval", "--adapter", str(out), "--data-dir", str(DATA)]) == 0
     evaluated = json.loads((out / "eval-cb-test.json").read_text())

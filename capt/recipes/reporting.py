@@ -6,16 +6,76 @@ import csv
 import io
 import json
 import math
+import os
+import platform
 import statistics
+import subprocess
 from pathlib import Path
 from typing import Any
 
+import peft
+import torch
+import transformers
+
+from .. import __version__
 from ..saving import atomic_write_text
 from .metrics import superglue_average
 
 LOG_JSONL = "metrics.jsonl"
 LOG_CSV = "metrics.csv"
 CURVES_PNG = "learning_curves.png"
+
+
+def environment() -> dict[str, Any]:
+    """The machine and software a result was measured on, recorded beside it (a training run's results.json, a
+    benchmark's report). `cpu_capability` is torch's kernel level (AVX2, AVX512, ...): float32 runs agree across
+    levels only to rounding (results/smollm2-study/reproduction.md), and bf16 is 18x slower without AVX512-BF16.
+
+    Example:
+        >>> sorted(environment())[:4]
+        ['cpu', 'cpu_capability', 'cpu_count', 'git']
+    """
+    return {
+        "cpu": _cpu_name(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "peft": peft.__version__,
+            "capt": __version__,
+        },
+        "git": _git_revision(),
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _git_revision() -> str | None:
+    """The checkout's commit (with -dirty for uncommitted changes), or None outside a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
 
 
 class MetricsLog:

@@ -34,7 +34,7 @@ from ..saving import atomic_write, atomic_write_text
 from .evaluate import encode_cached, evaluate, load_splits, to_device
 from .formats import TaskFormat
 from .methods import method_revision
-from .reporting import MetricsLog, plot_learning_curves
+from .reporting import MetricsLog, environment, plot_learning_curves
 from .run import (
     ADAPTER_DIR,
     CHECKPOINT_NAME,
@@ -319,6 +319,7 @@ class TrainingRecipe:
             "test_examples": len(self.splits["test"]),
             "processes": self.accelerator.num_processes,
             "method_revision": method_revision(config.method),
+            "environment": environment(),  # float32 results agree across CPU kinds only to rounding
         }
         if self.accelerator.is_main_process:
             best = {k: v.contiguous() for k, v in self.best_state.items()}

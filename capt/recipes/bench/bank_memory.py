@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -21,6 +20,8 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 import capt
+
+from ..reporting import environment
 
 RESULTS = Path("benchmarks/results")  # relative to the repository root, where the command runs
 
@@ -79,7 +80,7 @@ def markdown(report: dict) -> str:
         "classifier head (384 x 2 + 2 floats) is trained and stored per task as well. Timings: one forward pass "
         f"of {report['batch']} rows x {report['length']} tokens, rows cycling through the N tasks "
         f"(`adapter_names=[...]`) vs all rows on one adapter; median of {report['repeats']} passes on "
-        f"{report['environment']['cpu_threads']} CPU threads (shared machine: timings are indicative).",
+        f"{report['environment']['torch_threads']} CPU threads (shared machine: timings are indicative).",
         "",
         "| tasks | capsule bytes / task | head bytes / task | bank tensors | % of backbone | mixed batch ms | "
         "one-adapter batch ms |",
@@ -107,11 +108,7 @@ def main() -> None:
         "length": args.length,
         "repeats": args.repeats,
         "rows": [measure(n, args.batch, args.length, args.repeats) for n in args.tasks],
-        "environment": {
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "cpu_threads": torch.get_num_threads(),
-        },
+        "environment": environment(),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "bank_memory.json").write_text(json.dumps(report, indent=2) + "\n")

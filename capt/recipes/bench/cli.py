@@ -18,8 +18,9 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from ..backbones import RandomSize
+from ..reporting import environment
 from .methods import METHODS, parse_methods
-from .report import environment, evaluate_targets, write_all
+from .report import evaluate_targets, write_all
 from .run import BACKBONES, REAL_DECODERS, Options, log_to_stderr, run_backbone
 
 

@@ -3,40 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import platform
 import statistics
-import subprocess
 from pathlib import Path
 
-import peft
-import torch
-import transformers
-
-from ... import __version__
 from ..reporting import pyplot
 from .methods import METHODS
 
 TRAIN_LIMIT = 1.05  # capt-add training step, x floor
 GENERATE_LIMIT = 1.03  # capt-add generate latency, x base model
-
-
-def environment() -> dict:
-    """The machine and software the numbers were taken on."""
-    return {
-        "platform": platform.platform(),
-        "cpu": _cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "python": platform.python_version(),
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "peft": peft.__version__,
-            "capt": __version__,
-        },
-        "git": _git_revision(),
-    }
 
 
 def evaluate_targets(results: dict) -> list[dict]:
@@ -259,27 +233,3 @@ def _noise(data: dict, clock: str) -> float | None:
 
 def _duration(seconds: float) -> str:
     return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def _git_revision() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "describe", "--always", "--dirty"],
-            cwd=Path(__file__).parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import shlex
 import socket
 import sys
@@ -34,6 +33,7 @@ import capt
 from ..backbones import load_backbone
 from ..data import TASKS
 from ..data.superglue import read_jsonl, resolve_data_dir
+from ..reporting import environment
 from ..serve import Limits, build_engine, create_app
 
 RESULTS = Path("benchmarks/results")  # relative to the repository root, where the command runs
@@ -228,8 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": args.max_tokens,
         "max_batch": args.max_batch,
         "batch_window_ms": args.batch_window_ms,
-        "torch_threads": torch.get_num_threads(),
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "environment": environment(),
         "device": str(next(engine.bank.parameters()).device),
     }
     Path(f"{stem}.json").write_text(json.dumps({"meta": meta, "levels": rows}, indent=2) + "\n")
@@ -237,8 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         f"# capt serve load test: {args.model}",
         "",
         f"`{command}`: {args.requests} requests ({meta['mix']}), "
-        f"batch window {args.batch_window_ms:g} ms, up to {args.max_batch} per batch, {meta['torch_threads']} torch "
-        f"thread(s), {meta['device']}. Concurrency {levels[0]} is the one-at-a-time reference for the answers.",
+        f"batch window {args.batch_window_ms:g} ms, up to {args.max_batch} per batch, "
+        f"{meta['environment']['torch_threads']} torch thread(s), {meta['device']}. "
+        f"Concurrency {levels[0]} is the one-at-a-time reference for the answers.",
         "",
         "| concurrency | requests/s | vs one at a time | p50 ms | p99 ms | lost | answers differing |",
         "|---:|---:|---:|---:|---:|---:|---:|",
