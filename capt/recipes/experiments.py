@@ -246,7 +246,7 @@ def _sweep_cell(
         if beyond is None:
             break
         points.append(_grid_point(config, cell, beyond, overwrite))  # last: a tie keeps the earlier winner
-    best = _best(points)
+    best = max(points, key=lambda p: p["validation_score"])  # max keeps the first of equal scores
     runs, times = [best["run"]], [(best["epochs_to_best"], best["seconds_to_best"])]
     for seed in range(1, seeds):
         run_dir = cell / f"seed-{seed}"
@@ -280,10 +280,6 @@ def _grid_point(config: RunConfig, cell: Path, lr: float, overwrite: bool) -> di
         "run": result,
         "dir": point.output_dir,
     }
-
-
-def _best(points: list[dict[str, Any]]) -> dict[str, Any]:
-    return max(points, key=lambda p: p["validation_score"])  # max keeps the first of equal scores
 
 
 def next_rate_beyond_edge(validation: dict[float, float]) -> float | None:
