@@ -292,6 +292,25 @@ def test_sweep_finished_only_tabulates_what_exists_and_trains_nothing(tmp_path, 
     assert not (tmp_path / "study" / "cb" / "lora" / "results.json").exists()  # nor summarises an unfinished cell
 
 
+def test_cell_progress_counts_runs_beyond_the_grid_and_names_the_extensions_still_possible(tmp_path):
+    from capt.recipes.experiments import cell_progress
+
+    cell = tmp_path / "cb" / "capt"
+    for folder, minutes in [("grid/lr-0.01", 10), ("grid/lr-0.03", 20), ("grid/lr-0.09", 30), ("grid/lr-0.27", 40)]:
+        (cell / folder).mkdir(parents=True)
+        (cell / folder / "results.json").write_text(json.dumps({"wall_time_s": 60 * minutes}))
+    (cell / "grid" / "lr-0.81").mkdir()  # started, not finished: neither done nor counted
+    grid = [0.01, 0.03, 0.09]
+    extended = "cb/capt: 3 of 3 grid points and 1 beyond it, 0 of 2 more seeds"
+    assert (
+        cell_progress(cell, grid, 3, extend=2)
+        == f"{extended} (2 runs left + up to 1 beyond the grid, 25 min per run so far)"
+    )
+    assert cell_progress(cell, grid, 3, extend=1) == f"{extended} (2 runs left, 25 min per run so far)"
+    fresh = cell_progress(tmp_path / "cb" / "lora", grid, 3, extend=1)
+    assert fresh == "cb/lora: 0 of 3 grid points, 0 of 2 more seeds (5 runs left + up to 1 beyond the grid)"
+
+
 def test_sweep_table_gives_parameters_and_the_average_of_methods_with_every_task():
     from capt.recipes.experiments import sweep_table
 

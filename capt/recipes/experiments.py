@@ -221,7 +221,7 @@ def sweep(
     reference_rows = [reference_results(c) for c in {c.task: c for c in configs}.values()] if references else []
     table = sweep_table(cells, [row for rows in reference_rows for row in rows], tasks)
     missing = [
-        cell_progress(root / c.task / c.method, grid, seeds)
+        cell_progress(root / c.task / c.method, grid, seeds, extend)
         for c, grid, path in zip(configs, grids, done, strict=True)
         if not path.exists()
     ]
@@ -305,9 +305,11 @@ def next_rate_beyond_edge(validation: dict[float, float]) -> float | None:
     return rates[0] * rates[0] / rates[1]
 
 
-def cell_progress(cell: Path, grid: list[float], seeds: int) -> str:
-    """Where an unfinished sweep cell stands, for a study that spans sessions: its finished grid points and
-    seeds, the runs left, and the mean wall time of its finished runs (what each run left will take, roughly).
+def cell_progress(cell: Path, grid: list[float], seeds: int, extend: int = 0) -> str:
+    """Where an unfinished sweep cell stands, for a study that spans sessions: its finished grid points (and those
+    trained beyond the grid's ends), seeds, the runs left, and the mean wall time of its finished runs (what each
+    run left will take, roughly). `extend` is the sweep's `--extend-grid`: extensions not yet trained are named as
+    "up to" runs, since they follow only a best rate alone at an end of the grid.
 
     A finished seed folder counts as done here; the sweep retrains it if the completed grid chooses another rate.
 
@@ -316,15 +318,18 @@ def cell_progress(cell: Path, grid: list[float], seeds: int) -> str:
         'cb/lora: 2 of 3 grid points, 0 of 2 more seeds (3 runs left, 30 min per run so far)'
     """
     grid_runs = [cell / "grid" / f"lr-{lr:g}" / RESULTS_NAME for lr in grid]
+    beyond = sorted(set((cell / "grid").glob(f"lr-*/{RESULTS_NAME}")) - set(grid_runs))
     seed_runs = [cell / f"seed-{seed}" / RESULTS_NAME for seed in range(1, seeds)]
-    finished = [path for path in grid_runs + seed_runs if path.exists()]
+    finished = [path for path in grid_runs + seed_runs if path.exists()] + beyond
     grid_done, seeds_done = sum(p.exists() for p in grid_runs), sum(p.exists() for p in seed_runs)
-    left = len(grid_runs) + len(seed_runs) - len(finished)
+    left = sum(not p.exists() for p in grid_runs + seed_runs)
     minutes = [json.loads(path.read_text())["wall_time_s"] / 60 for path in finished]
     pace = f", {statistics.fmean(minutes):.0f} min per run so far" if minutes else ""
+    extensions = f" and {len(beyond)} beyond it" if beyond else ""
+    maybe = f" + up to {extend - len(beyond)} beyond the grid" if extend > len(beyond) else ""
     more_seeds = f", {seeds_done} of {len(seed_runs)} more seeds" if seed_runs else ""
-    where = f"{cell.parent.name}/{cell.name}: {grid_done} of {len(grid_runs)} grid points{more_seeds}"
-    return f"{where} ({left} runs left{pace})"
+    where = f"{cell.parent.name}/{cell.name}: {grid_done} of {len(grid_runs)} grid points{extensions}{more_seeds}"
+    return f"{where} ({left} runs left{maybe}{pace})"
 
 
 def _stored_rate(folder: Path, lr: float) -> float:
