@@ -383,6 +383,22 @@ def test_dept_low_rank_pair_gets_its_own_learning_rate():
     assert groups[1e-4] == {id(p) for p in model.capsules.secondary.values()}
 
 
+@pytest.mark.parametrize("method", ["head", "full", "capt"])
+def test_a_head_trains_at_lr_when_it_is_the_method_and_at_head_lr_beside_another(method):
+    from capt.recipes.backbones import load_backbone
+    from capt.recipes.methods import apply_method
+    from capt.recipes.run import RunConfig
+    from capt.recipes.train import _optimizer
+
+    model = apply_method(load_backbone("tiny-llama", num_labels=3, decoder_head="classifier"), method)
+    optimizer = _optimizer(model, RunConfig(method=method, lr=0.3, head_lr=1e-4))
+    head = {id(p) for n, p in model.named_parameters() if n.endswith("score.weight")}
+    at_lr = {id(p) for g in optimizer.param_groups if g["lr"] == 0.3 for p in g["params"]}
+    assert head and (head <= at_lr) == (method != "capt")  # before the fix, head-only ignored lr: a sweep moved nothing
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    assert {id(p) for g in optimizer.param_groups for p in g["params"]} == trainable
+
+
 def test_phm_terms_must_divide_the_widths():
     with pytest.raises(ValueError, match=r"IDPGOptions\.phm \(3\) must divide the bottleneck"):
         make_options("idpg", {"phm": 3})

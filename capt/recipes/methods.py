@@ -35,8 +35,9 @@ _PEFT_TASK_TYPES = {"encoder": "SEQ_CLS", "encoder-decoder": "SEQ_2_SEQ_LM", "de
 # an older revision is another method, so it is never read back as this one. Unlisted methods are at revision 1.
 # 2 (2026-12-03): the authors' code adopted (docs/baselines-provenance.md): M-IDPG layerb and IDPG's GELU, DePT's
 # alpha / sqrt(r) scaling and Kaiming A, Residual Prompt Tuning's bottleneck 800, adapters train the layer norms,
-# SMoP's load-balancing loss.
-METHOD_REVISIONS = {"idpg": 2, "m-idpg": 2, "dept": 2, "residual": 2, "adapter": 2, "smop": 2}
+# SMoP's load-balancing loss. head 2 (2026-12-04): head-only trains its head at lr; it used head_lr, so a
+# learning-rate sweep of `head` trained every grid point alike.
+METHOD_REVISIONS = {"idpg": 2, "m-idpg": 2, "dept": 2, "residual": 2, "adapter": 2, "smop": 2, "head": 2}
 
 
 def method_revision(method: str) -> int:

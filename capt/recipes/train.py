@@ -404,7 +404,9 @@ def _optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimizer:
     groups = [{"params": others, "lr": config.lr}]
     if secondary:  # DePT trains its low-rank pair with its own learning rate
         groups.append({"params": secondary, "lr": config.lr_secondary})
-    if heads and config.method != "full":
+    # head_lr is for a task head trained beside another method's parameters; for head-only and full fine-tuning
+    # the head is (part of) the method, trained at lr, so a learning-rate sweep of `head` moves the head.
+    if heads and config.method not in ("head", "full"):
         groups.append({"params": heads, "lr": config.head_lr})
     else:
         groups[0]["params"] = others + heads
