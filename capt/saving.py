@@ -21,6 +21,10 @@ from torch import nn
 
 from .config import CONFIG_NAME, PICKLE_WEIGHTS_NAME, WEIGHTS_NAME
 
+# mkstemp creates files readable by their owner only; a written file gets the mode a plain open() would give it.
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
 # adapter_model.safetensors uses PEFT's key names, so that either API reads the other's files.
 FILE_KEY_PREFIXES = {"capsules.": "base_model.capt_layer.capt_capsules.", "modules_to_save.": "base_model.model."}
 
@@ -32,10 +36,12 @@ def atomic_write(target: str | os.PathLike, write: Callable[[str], None]) -> Non
         >>> atomic_write("notes.txt", lambda tmp: Path(tmp).write_text("done\\n"))  # doctest: +SKIP
     """
     target = Path(target)
+    mode = target.stat().st_mode & 0o777 if target.is_file() else 0o666 & ~_UMASK  # as open() would: keep, or umask
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, mode)
         os.replace(tmp, target)
     except (OSError, RuntimeError) as err:  # torch's writer reports a full disk as a RuntimeError
         Path(tmp).unlink(missing_ok=True)

@@ -132,3 +132,19 @@ def test_a_model_takes_one_adapter_until_unloaded():
         capt.get_capt_model(base)
     assert model.unload() is base
     capt.get_capt_model(base)
+
+
+def test_an_atomic_write_gives_the_mode_open_would_and_keeps_an_existing_files(tmp_path):
+    import os
+
+    from capt.saving import atomic_write_text
+
+    umask = os.umask(0o022)
+    os.umask(umask)
+    fresh, kept = tmp_path / "results.json", tmp_path / "private.json"
+    atomic_write_text(fresh, "{}\n")  # mkstemp alone would leave it 0o600, unreadable to a colleague or a server
+    assert fresh.stat().st_mode & 0o777 == 0o666 & ~umask
+    kept.write_text("old\n")
+    kept.chmod(0o640)
+    atomic_write_text(kept, "new\n")
+    assert kept.read_text() == "new\n" and kept.stat().st_mode & 0o777 == 0o640
