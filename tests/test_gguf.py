@@ -81,7 +81,7 @@ def test_first_uses_that_start_together_convert_once_and_share_the_folder(tmp_pa
     def first_use():
         try:
             folders.append(gguf.pretrained_folder("smollm2"))
-        except Exception as err:  # noqa: BLE001 - the assertion below names it
+        except Exception as err:  # the assertion below names it
             errors.append(err)
 
     threads = [threading.Thread(target=first_use) for _ in range(2)]
