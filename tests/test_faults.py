@@ -17,13 +17,19 @@ import torch
 from safetensors.torch import load_file
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "superglue"
-ARGS = ["train", "--model", "tiny-llama", "--task", "cb", "--data-dir", str(DATA), "--limit-train", "16"]
-ARGS += ["--limit-eval", "16", "--epochs", "2", "--batch-size", "4", "--checkpoint-every", "2", "--lr", "0.05"]
+RUN = ["--model", "tiny-llama", "--data-dir", str(DATA), "--limit-train", "16", "--limit-eval", "16", "--epochs", "2"]
+RUN += ["--batch-size", "4", "--checkpoint-every", "2"]
+ARGS = ["train", "--task", "cb", "--lr", "0.05", *RUN]
+# The same run as a sweep cell: one grid point (seed 0) and one more seed.
+SWEEP = ["sweep", "--tasks", "cb", "--methods", "capt", "--lr-grid", "capt=0.05", "--seeds", "2", *RUN]
+SWEEP += ["--no-references"]
 
 
-def _capt(tmp_path: Path, out: Path, *extra: str, pause: str | None = None) -> subprocess.CompletedProcess:
+def _capt(
+    tmp_path: Path, out: Path, *extra: str, pause: str | None = None, args: list[str] = ARGS
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "HOME": str(tmp_path), "CAPT_PAUSE_AT": pause or ""}
-    command = [sys.executable, "-m", "capt.recipes.cli", *ARGS, "--output-dir", str(out), *extra]
+    command = [sys.executable, "-m", "capt.recipes.cli", *args, "--output-dir", str(out), *extra]
     if pause is None:
         return subprocess.run(command, env=env, capture_output=True, text=True)
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -135,3 +141,52 @@ def test_a_full_disk_is_one_clear_line_and_keeps_the_checkpoint(reference, tmp_p
         _same_run(out, reference)
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+def _seed_run(sweep: Path, seed: int) -> Path:
+    return sweep / "cb" / "capt" / ("grid/lr-0.05" if seed == 0 else f"seed-{seed}")
+
+
+@pytest.fixture(scope="module")
+def reference_sweep(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reference-sweep")
+    done = _capt(tmp, tmp / "sweep", args=SWEEP)
+    assert done.returncode == 0, done.stderr
+    return tmp / "sweep"
+
+
+def test_a_killed_sweep_continues_its_interrupted_run_to_the_uninterrupted_result(reference_sweep, tmp_path):
+    out = tmp_path / "sweep"
+    _capt(tmp_path, out, args=SWEEP, pause="checkpoint@9")  # seed 1's third checkpoint: the grid point is done
+    again = _capt(tmp_path, out, args=SWEEP)  # the same command, no flag
+    assert again.returncode == 0, again.stderr
+    assert "resuming at epoch 1, batch 4 (step 4)" in again.stdout  # from seed 1's second checkpoint, not from 0
+    for seed in (0, 1):
+        _same_run(_seed_run(out, seed), _seed_run(reference_sweep, seed))
+    cell, expected = (json.loads((s / "cb" / "capt" / "results.json").read_text()) for s in (out, reference_sweep))
+    assert cell["test"] == expected["test"] and cell["chosen_lr"] == expected["chosen_lr"]
+
+
+def test_a_killed_sweep_started_again_with_other_settings_starts_the_run_over(reference_sweep, tmp_path):
+    out = tmp_path / "sweep"
+    _capt(tmp_path, out, args=SWEEP, pause="checkpoint@3")  # the grid point, at the end of epoch 1 of 2
+    assert (_seed_run(out, 0) / "checkpoint.pt").exists()
+    again = _capt(tmp_path, out, "--epochs", "3", args=SWEEP)
+    assert again.returncode == 0, again.stderr
+    assert "resuming" not in again.stdout
+    steps = [json.loads(line) for line in (_seed_run(out, 0) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps if r["kind"] == "step"] == list(range(1, 13))  # 3 epochs from step 1
+
+
+def test_a_killed_comparison_keeps_its_finished_seeds_and_continues_the_interrupted_one(reference, tmp_path):
+    out = tmp_path / "compare"
+    argv = ["compare", "--tasks", "cb", "--methods", "capt", "--seeds", "2", "--lr", "0.05", *RUN]
+    _capt(tmp_path, out, args=argv, pause="checkpoint@9")  # seed 0 finished, seed 1 in its first epoch
+    seed_0 = out / "cb" / "capt" / "seed-0"
+    stamp = (seed_0 / "trainable.safetensors").stat().st_mtime_ns
+    again = _capt(tmp_path, out, args=argv)
+    assert again.returncode == 0, again.stderr
+    assert "resuming at epoch 1, batch 4 (step 4)" in again.stdout
+    assert (seed_0 / "trainable.safetensors").stat().st_mtime_ns == stamp  # read back, not trained again
+    _same_run(seed_0, reference)  # `capt train` with the same settings and seed
+    assert len(json.loads((out / "cb" / "capt" / "results.json").read_text())["runs"]) == 2

@@ -1,7 +1,9 @@
 """Runs of several trainings: the seeds of one setting, a methods x tasks comparison, and a tuned sweep.
 
 All resume: a finished run (its results.json) is read back instead of trained again, once its stored settings
-(run_config.json) are those asked for; a finished run with other settings is refused, never silently reused.
+(run_config.json) are those asked for; a finished run with other settings is refused, never silently reused. A run
+that was killed continues from its last checkpoint when that was written under the same settings (on CPU the result
+equals an uninterrupted run's); otherwise it starts over.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from .run import (
     run_lock,
     setting_differences,
 )
-from .train import pause_point, train
+from .train import interrupted_settings, pause_point, train
 
 COMPARISON_NAME = "comparison"
 SWEEP_NAME = "sweep"
@@ -148,9 +150,34 @@ def _finished_or_trained(
     config: RunConfig, seeds: int, overwrite: bool, retrain: frozenset[str] = frozenset()
 ) -> dict[str, Any]:
     """The results of config's folder: read back when finished with these settings (so an experiment resumes),
-    trained otherwise (see `finished_run` for `retrain` and for the settings that are refused)."""
+    continued when a run of these settings was killed there, trained otherwise (see `finished_run` for `retrain`
+    and for the settings that are refused)."""
     finished = None if overwrite else finished_run(config, seeds, retrain)
-    return finished if finished is not None else train_seeds(config, seeds, overwrite=True)
+    if finished is not None:
+        return finished
+    return train_seeds(config, seeds, overwrite=True, resume=not overwrite and _interrupted_run_of(config, seeds))
+
+
+def _interrupted_run_of(config: RunConfig, seeds: int) -> bool:
+    """Whether config's folder holds a killed run of exactly these settings: some progress (a seed's checkpoint, or
+    with several seeds a finished seed), all of it made with them, so continuing gives what starting over would."""
+    progress = 0
+    for seed_config in seed_configs(config, seeds):
+        folder = Path(seed_config.output_dir)
+        interrupted = interrupted_settings(folder)
+        if interrupted is not None:
+            settings, revision = interrupted
+            if setting_differences(seed_config, settings) or revision != method_revision(config.method):
+                return False
+            progress += 1
+        elif seeds > 1 and (folder / RESULTS_NAME).exists():
+            try:
+                if finished_run(seed_config, 1) is None:
+                    return False
+            except ValueError:  # made with other settings: the whole run starts over
+                return False
+            progress += 1
+    return progress > 0
 
 
 def default_lr_grid(method: str) -> list[float]:

@@ -260,6 +260,7 @@ class TrainingRecipe:
         if self.accelerator.is_main_process:
             state = {
                 "config": asdict(self.config),  # what a resume is checked against (run_config.json comes last)
+                "method_revision": method_revision(self.config.method),
                 "progress": asdict(self.progress),
                 "trainable": trainable_state(self.accelerator.unwrap_model(self.model)),
                 "best": self.best_state or {},
@@ -360,6 +361,24 @@ def check_resumable(config: RunConfig, saved: RunConfig) -> None:
             f"cannot resume {config.output_dir} with other settings: {describe_differences(differing)}. Resume with "
             "the original settings, or start again with --overwrite"
         )
+
+
+def interrupted_settings(run_dir: str | Path) -> tuple[RunConfig, int] | None:
+    """(settings, method revision) of the interrupted run in `run_dir`, as its checkpoint records them; None when
+    it has no checkpoint, or one that is torn or older than these records.
+
+    Example:
+        >>> interrupted_settings("runs/none-here") is None
+        True
+    """
+    file = Path(run_dir) / CHECKPOINT_NAME
+    if not file.is_file():
+        return None
+    try:  # mmap: only the settings are read, the weights and optimizer state stay on disk
+        state = torch.load(file, weights_only=True, mmap=True)
+        return run_config_from_dict(state["config"], file), int(state["method_revision"])
+    except Exception:  # torn, foreign or older: nothing to continue from, whatever the reason
+        return None
 
 
 _PAUSES: dict[str, int] = {}
