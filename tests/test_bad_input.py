@@ -95,6 +95,12 @@ def test_a_bad_lr_grid_is_refused_before_any_training(grid, message, tmp_path, c
         ("lr: [1e-3\n", "is not a valid settings file"),
         ("- 1\n- 2\n", "expected a mapping of settings, got list"),
         ("learning_rate: 0.1\n", "unknown settings ['learning_rate']"),
+        ("per_task: [cb]\n", "per_task must map task names to settings, got list"),
+        ("per_task:\n  cd: {epochs: 2}\n", "per_task names unknown tasks ['cd']; known: boolq, cb,"),
+        ("per_task:\n  cb: 2\n", "per_task.cb must be a mapping of settings"),
+        ("per_task:\n  cb: {method: lora}\n", "per_task.cb sets ['method']: a section holds its task's settings"),
+        ("per_task:\n  rte: {max_lenght: 96}\n", "per_task.rte: unknown settings ['max_lenght']"),
+        ("per_task:\n  rte: {epochs: ten}\n", "--epochs (YAML key epochs): got 'ten'; expected an integer"),
     ],
 )
 def test_a_bad_yaml_file_is_refused_naming_file_and_key(yaml_text, message, tmp_path, capsys):
@@ -102,6 +108,23 @@ def test_a_bad_yaml_file_is_refused_naming_file_and_key(yaml_text, message, tmp_
     config.write_text(yaml_text)
     err = _error(capsys, ["train", "--config", str(config), "--output-dir", str(tmp_path / "out")])
     assert str(config) in err and message in err
+
+
+def test_a_per_task_section_sets_its_task_only_and_flags_still_win(tmp_path):
+    from capt.recipes.cli import _parser, run_config
+
+    config = tmp_path / "study.yaml"
+    config.write_text("max_length: 160\nepochs: 10\nper_task:\n  rte: {max_length: 96, limit_train: 500}\n")
+
+    def settings(*flags: str, **fixed: str) -> tuple:
+        run = run_config(_parser().parse_args(["train", "--config", str(config), *flags]), **fixed)
+        return run.task, run.max_length, run.limit_train, run.epochs
+
+    assert settings("--task", "cb") == ("cb", 160, None, 10)
+    assert settings("--task", "rte") == ("rte", 96, 500, 10)
+    assert settings() == ("rte", 96, 500, 10)  # the default task
+    assert settings("--task", "rte", "--max-length", "128") == ("rte", 128, 500, 10)  # a flag over the section
+    assert settings("--task", "cb", task="rte") == ("rte", 96, 500, 10)  # a command's own task (compare, sweep)
 
 
 def test_yaml_exponent_numbers_are_floats(tmp_path):

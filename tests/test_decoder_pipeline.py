@@ -179,16 +179,20 @@ def test_sweep_picks_the_rate_by_validation_trains_the_seeds_and_resumes(tmp_pat
     assert "holds a finished run with other settings: epochs 1 -> 2" in err and "--overwrite" in err
 
 
-def test_the_committed_smollm2_study_is_read_back_not_retrained(tmp_path, monkeypatch):
-    """The study command over a copy of the committed bf16 CB cells (those read by label words), with the grid each
-    cell records, reads every run back and rewrites the same cells."""
+@pytest.mark.parametrize(
+    ("study", "task", "flags"), [("smollm2-study-bf16", "cb", ["--bf16"]), ("smollm2-study", "copa", [])]
+)
+def test_the_committed_smollm2_study_is_read_back_not_retrained(study, task, flags, tmp_path, monkeypatch):
+    """The study command over a copy of the committed bf16 CB and float32 COPA cells (those read by label words),
+    with the grid each cell records and the task's settings from the config's `per_task` section (COPA's max length
+    32), reads every run back and rewrites the same cells."""
     from capt.recipes import experiments
     from capt.recipes.cli import main
 
     repo = Path(__file__).resolve().parents[1]
-    study = Path("results") / "smollm2-study-bf16"
+    study = Path("results") / study
     cells = {}
-    for done in sorted((repo / study / "cb").glob("*/results.json")):
+    for done in sorted((repo / study / task).glob("*/results.json")):
         grid_run = next(done.parent.glob("grid/*/run_config.json"))
         if json.loads(grid_run.read_text())["decoder_head"] != "lm":
             continue
@@ -207,12 +211,12 @@ def test_the_committed_smollm2_study_is_read_back_not_retrained(tmp_path, monkey
     monkeypatch.setattr(experiments, "train", no_training)
     monkeypatch.setenv("HOME", str(tmp_path))  # another cache_dir than the study's: it cannot change a result
     monkeypatch.chdir(tmp_path)
-    argv = ["sweep", "--config", str(repo / "configs" / "smollm2-study.yaml"), "--tasks", "cb", "--lr-grid", grids]
-    argv += ["--methods", ",".join(cells), "--seeds", "3", "--max-length", "160", "--bf16"]
+    argv = ["sweep", "--config", str(repo / "configs" / "smollm2-study.yaml"), "--tasks", task, "--lr-grid", grids]
+    argv += ["--methods", ",".join(cells), "--seeds", "3", *flags]
     argv += ["--data-dir", "../shared/data/superglue", "--output-dir", str(study), "--no-references"]
     assert main(argv) == 0
     for method, text in cells.items():
-        assert (tmp_path / study / "cb" / method / "results.json").read_text() == text  # rebuilt the same
+        assert (tmp_path / study / task / method / "results.json").read_text() == text  # rebuilt the same
 
 
 def test_sweep_extends_a_grid_whose_best_rate_is_at_its_end(tmp_path, monkeypatch, capsys):

@@ -178,24 +178,50 @@ def _read_yaml(path: str) -> dict[str, Any]:
     return loaded
 
 
+# The YAML section of settings that differ by task, so that one file holds a study whose tasks need other lengths,
+# subsets or epochs: `per_task: {copa: {max_length: 32}, rte: {limit_train: 500}}`.
+PER_TASK_KEY = "per_task"
+
+
+def _per_task_settings(section: Any, path: str, names: set[str]) -> dict[str, dict[str, Any]]:
+    """The `per_task` section of a --config file, checked: known task names, each a mapping of known settings."""
+    from .data import TASKS
+
+    if not isinstance(section, dict):
+        raise ValueError(f"{path}: {PER_TASK_KEY} must map task names to settings, got {type(section).__name__}")
+    unknown_tasks = sorted(set(section) - set(TASKS))
+    if unknown_tasks:
+        raise ValueError(f"{path}: {PER_TASK_KEY} names unknown tasks {unknown_tasks}; known: {', '.join(TASKS)}")
+    for task, settings in section.items():
+        if not isinstance(settings, dict):
+            raise ValueError(f"{path}: {PER_TASK_KEY}.{task} must be a mapping of settings")
+        fixed = sorted(set(settings) & {"task", "method"})
+        if fixed:
+            raise ValueError(f"{path}: {PER_TASK_KEY}.{task} sets {fixed}: a section holds its task's settings")
+        unknown = sorted(set(settings) - names)
+        if unknown:
+            raise ValueError(f"{path}: {PER_TASK_KEY}.{task}: unknown settings {unknown}")
+    return section
+
+
 def run_config(args: argparse.Namespace, **fixed: Any) -> RunConfig:
-    """RunConfig from defaults < YAML (--config) < flags < `fixed`."""
+    """RunConfig from defaults < YAML (--config) < the YAML's `per_task` section for the run's task < flags <
+    `fixed`."""
     from .run import RunConfig
 
+    names = {f.name for f in dataclasses.fields(RunConfig)}
+    flags = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     settings: dict[str, Any] = {}
     if args.config:
         loaded = _read_yaml(args.config)
-        unknown = sorted(set(loaded) - {f.name for f in dataclasses.fields(RunConfig)})
+        per_task = _per_task_settings(loaded.pop(PER_TASK_KEY, {}), args.config, names)
+        unknown = sorted(set(loaded) - names)
         if unknown:
             raise ValueError(f"{args.config}: unknown settings {unknown}")
         settings.update(loaded)
-    settings.update(
-        {
-            f.name: getattr(args, f.name)
-            for f in dataclasses.fields(RunConfig)
-            if getattr(args, f.name, None) is not None
-        }
-    )
+        task = fixed.get("task", flags.get("task", settings.get("task", RunConfig.task)))
+        settings.update(per_task.get(task, {}))
+    settings.update(flags)
     settings.update(fixed)
     try:
         config = RunConfig(**settings)
