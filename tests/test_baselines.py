@@ -22,6 +22,7 @@ SMALL = {
     "m-idpg": {"length": 3, "bottleneck": 8},
     "smop": {"num_prompts": 3, "length": 2},
     "residual": {"length": 4, "bottleneck": 8},
+    "vfpt": {"length": 5, "fourier_fraction": 0.5},  # 2 Fourier prompts (rounded down), 3 plain
 }
 FAMILIES = ("llama", "t5", "bert-cls")
 
@@ -63,7 +64,18 @@ def _reference_prompt(module, method: str, embeds: torch.Tensor, mask: torch.Ten
         z = torch.relu(module.prompt @ lin1.weight.T + lin1.bias) @ lin2.weight.T + lin2.bias
         z = (z - z.mean(-1, keepdim=True)) / torch.sqrt(z.var(-1, unbiased=False, keepdim=True) + norm.eps)
         return (module.prompt + z * norm.weight + norm.bias).expand(len(embeds), -1, -1)
+    if method == "vfpt":  # the k Fourier prompts through explicit DFT matrices: Re(F_k P F_d)
+        table = module.prompts[layer if o.every_layer else 0].double()
+        k = int(o.length * o.fourier_fraction)
+        fourier = (_dft(k) @ table[:k].to(torch.complex128) @ _dft(table.shape[-1])).real
+        return torch.cat([fourier, table[k:]]).float().expand(len(embeds), -1, -1)
     raise AssertionError(method)
+
+
+def _dft(n: int) -> torch.Tensor:
+    """The n x n DFT matrix, exp(-2 pi i j l / n)."""
+    j = torch.arange(n, dtype=torch.float64)
+    return torch.exp(-2j * torch.pi * torch.outer(j, j) / n)
 
 
 def _matrix(linear) -> torch.Tensor:
@@ -84,7 +96,11 @@ def _dept_offsets(module, length: int) -> torch.Tensor:
     return rows
 
 
-INPUT_LAYER_CASES = [(m, None) for m in PROMPT_METHODS if m != "m-idpg"] + [("idpg", {"length": 3, "phm": 4})]
+EVERY_LAYER_METHODS = ("m-idpg", "vfpt")
+INPUT_LAYER_CASES = [(m, None) for m in PROMPT_METHODS if m not in EVERY_LAYER_METHODS] + [
+    ("idpg", {"length": 3, "phm": 4}),
+    ("vfpt", {**SMALL["vfpt"], "every_layer": False}),  # VFPT on VPT-shallow
+]
 
 
 @pytest.mark.parametrize("family", ["llama", "t5"])
@@ -111,9 +127,11 @@ def test_input_layer_prompt_equals_prepending_it_to_the_embeddings(family, metho
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-4)
 
 
-def test_m_idpg_writes_every_layer_from_the_first_layer_sentence_representation():
-    """M-IDPG: the slots at the input of layer i are layer i's generated prompt of the same s(x)."""
-    model = _model("llama", "m-idpg")
+@pytest.mark.parametrize("method", EVERY_LAYER_METHODS)
+def test_every_layer_methods_write_each_layers_own_prompt(method):
+    """M-IDPG: the slots at the input of layer i are layer i's generated prompt of the same s(x) (from layer 0).
+    VFPT: layer i's table, its first k rows through the 2D DFT."""
+    model = _model("llama", method)
     inputs = batch_inputs("llama", length=7)
     seen = {}
     layers = model.base_model.model.layers
@@ -126,11 +144,24 @@ def test_m_idpg_writes_every_layer_from_the_first_layer_sentence_representation(
     with torch.no_grad():
         model(**inputs)
         embeds = model.base_model.get_input_embeddings()(inputs["input_ids"])
+        slots = model.capsules.options.length
         for i in range(len(layers)):
-            expected = _reference_prompt(model.capsules, "m-idpg", embeds, inputs["attention_mask"].float(), i)
-            torch.testing.assert_close(seen[i][:, :3], expected, atol=1e-5, rtol=1e-4)
+            expected = _reference_prompt(model.capsules, method, embeds, inputs["attention_mask"].float(), i)
+            torch.testing.assert_close(seen[i][:, :slots], expected, atol=1e-5, rtol=1e-4)
     for hook in hooks:
         hook.remove()
+    assert model.injector.every_layer
+
+
+def test_vfpt_without_fourier_prompts_is_deep_prompt_tuning():
+    """fourier_fraction 0 leaves plain per-layer prompts: the same logits as Deep Prompt-Tuning with that table."""
+    inputs = batch_inputs("llama", length=6)
+    vfpt = _model("llama", "vfpt", options={"length": 4, "fourier_fraction": 0.0})
+    deep = capt.get_capt_model(build("llama"), capt.CaptConfig(num_slots=4, instance_aware=False))
+    with torch.no_grad():
+        deep.capsule_vectors.copy_(vfpt.capsules.prompts.reshape(deep.capsule_vectors.shape))
+        torch.testing.assert_close(vfpt(**inputs).logits, deep.eval()(**inputs).logits)
+        assert make_options("vfpt", {"length": 10, "fourier_fraction": 0.29}).fourier_tokens == 2  # rounded down
 
 
 def test_input_layer_methods_let_the_prompt_flow_through():
@@ -410,7 +441,14 @@ def test_phm_terms_must_divide_the_widths():
 
 @pytest.mark.parametrize(
     "method, field, value",
-    [("smop", "balance_weight", -0.1), ("smop", "noise_std", "1"), ("dept", "alpha", 0), ("dept", "alpha", True)],
+    [
+        ("smop", "balance_weight", -0.1),
+        ("smop", "noise_std", "1"),
+        ("dept", "alpha", 0),
+        ("dept", "alpha", True),
+        ("vfpt", "fourier_fraction", 1.5),
+        ("vfpt", "fourier_fraction", True),
+    ],
 )
 def test_bad_number_options_name_the_field(method, field, value):
     with pytest.raises(ValueError, match=rf"Options\.{field} must be a number"):

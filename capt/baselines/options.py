@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -153,6 +154,35 @@ class ResidualPromptOptions(_SoftPrompt):
 
 
 @dataclass(frozen=True)
+class VFPTOptions(_SoftPrompt):
+    """VFPT (Zeng et al., NeurIPS 2024): Deep Prompt-Tuning whose first floor(`fourier_fraction` x `length`) prompts
+    of each layer pass through a 2D FFT, over the hidden and then the sequence axis, real part:
+    [Re(FFT_seq(FFT_hidden(P_f))) ; P_s]. The authors' defaults (runtsang/VFPT `src/configs/config.py`): fraction
+    0.5, the transform over both axes, in the first layer too, the Fourier prompts first, a table per layer
+    (`every_layer`, their `DEEP True` runs). Length 10 as our Deep Prompt-Tuning: the authors tune it per dataset."""
+
+    length: int = 10
+    fourier_fraction: float = 0.5
+    every_layer: bool = True
+
+    def __post_init__(self) -> None:
+        _positive(self, "length")
+        fraction = self.fourier_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 <= fraction <= 1:
+            raise ValueError(f"VFPTOptions.fourier_fraction must be a number in [0, 1], got {fraction!r}")
+        if not isinstance(self.every_layer, bool):
+            raise ValueError(f"VFPTOptions.every_layer must be true or false, got {self.every_layer!r}")
+
+    @property
+    def fourier_tokens(self) -> int:
+        """How many of each layer's prompts pass through the transform (rounded down, as the authors do)."""
+        return math.floor(self.length * self.fourier_fraction)
+
+    def parameter_count(self, hidden: int, layers: int) -> int:
+        return (layers if self.every_layer else 1) * self.length * hidden
+
+
+@dataclass(frozen=True)
 class AdapterOptions:
     """Bottleneck adapters (Houlsby et al., 2019): h + up(GELU(down(h))) after the attention and the feed-forward
     sublayer of every layer; `up` starts at zero, so the untrained adapter is the identity. With `train_norms` (the
@@ -180,8 +210,9 @@ PROMPT_OPTIONS = {
     "m-idpg": IDPGOptions,
     "smop": SMoPOptions,
     "residual": ResidualPromptOptions,
+    "vfpt": VFPTOptions,
 }
-PromptOptions = DePTOptions | LoPAOptions | IDPGOptions | SMoPOptions | ResidualPromptOptions
+PromptOptions = DePTOptions | LoPAOptions | IDPGOptions | SMoPOptions | ResidualPromptOptions | VFPTOptions
 
 
 def make_options(method: str, values: dict[str, Any] | None) -> PromptOptions:

@@ -12,6 +12,7 @@ from .lopa import LoPAPrompt
 from .options import make_options
 from .residual import ResidualPrompt
 from .smop import SMoPPrompt
+from .vfpt import VFPTPrompt
 
 PROMPT_MODULES = {
     "dept": DePTPrompt,
@@ -20,6 +21,7 @@ PROMPT_MODULES = {
     "m-idpg": IDPGPrompt,
     "smop": SMoPPrompt,
     "residual": ResidualPrompt,
+    "vfpt": VFPTPrompt,
 }
 
 

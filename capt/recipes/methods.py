@@ -2,8 +2,8 @@
 
 `capt` and `deep-prompt` come from this library; `prompt` (Prompt Tuning), `ptv2` (P-Tuning v2 / prefix
 tuning), `lora` and `ia3` come from `peft`; `head` trains only the classifier; `full` trains everything.
-The CaPT paper's other baselines come from `capt.baselines`: `dept`, `lopa`, `idpg`, `m-idpg`, `smop` and
-`residual` run on the capsule slot machinery (`CaptConfig.prompt_method`), `adapter` (Houlsby) on module hooks.
+The CaPT paper's other baselines come from `capt.baselines`: `dept`, `lopa`, `idpg`, `m-idpg`, `smop`, `residual`
+and `vfpt` run on the capsule slot machinery (`CaptConfig.prompt_method`), `adapter` (Houlsby) on module hooks.
 
 The baselines are built as their papers define them:
 - Prompt Tuning on T5 prompts the encoder only (Lester et al.; the CaPT paper's baseline). PEFT's seq2seq
@@ -27,7 +27,7 @@ from ..model import get_capt_model
 from ..sites import find_sites, hidden_size
 from .backbones import Backbone
 
-PROMPT_METHODS = tuple(PROMPT_OPTIONS)  # dept, lopa, idpg, m-idpg, smop, residual
+PROMPT_METHODS = tuple(PROMPT_OPTIONS)  # dept, lopa, idpg, m-idpg, smop, residual, vfpt
 METHODS = ("capt", "deep-prompt", "prompt", "ptv2", "lora", "ia3", *PROMPT_METHODS, "adapter", "head", "full")
 PEFT_METHODS = ("prompt", "ptv2", "lora", "ia3")
 _PEFT_TASK_TYPES = {"encoder": "SEQ_CLS", "encoder-decoder": "SEQ_2_SEQ_LM", "decoder": "CAUSAL_LM"}
@@ -56,7 +56,7 @@ class MethodOptions:
     deep_prompt_slots: int = 10  # deep-prompt: m task slots per layer
     virtual_tokens: int = 20  # prompt / ptv2: soft-prompt length
     lora_rank: int = 8
-    prompt_length: int | None = None  # dept / lopa / idpg / m-idpg / smop / residual: None = the paper's default
+    prompt_length: int | None = None  # dept / lopa / idpg / m-idpg / smop / residual / vfpt: None = the paper's default
     prompt_rank: int | None = None  # dept, lopa: rank of the low-rank part; None = the paper's default
     bottleneck: int | None = None  # idpg / m-idpg / residual / adapter: bottleneck width; None = the paper's default
 

@@ -60,6 +60,7 @@ DEFAULT_LR = {
     "m-idpg": 1e-3,
     "smop": 3e-2,
     "residual": 1e-2,
+    "vfpt": 1e-2,  # Deep Prompt-Tuning's
     "adapter": 1e-3,
     "head": 1e-3,
     "full": 3e-5,
@@ -104,7 +105,7 @@ class RunConfig:
     virtual_tokens: int = 20
     lora_rank: int = 8
     decoder_head: str = "lm"  # decoder-only: lm (label-word likelihoods) | classifier (score head on the last token)
-    prompt_length: int | None = None  # dept, lopa, idpg, m-idpg, smop, residual: None = the paper's default
+    prompt_length: int | None = None  # dept, lopa, idpg, m-idpg, smop, residual, vfpt: None = the paper's default
     prompt_rank: int | None = None  # dept, lopa: None = the paper's default
     bottleneck: int | None = None  # idpg, m-idpg, residual, adapter: None = the paper's default
     t5_generate: bool = False  # T5: predict by greedy decoding + exact match instead of label-word likelihoods
