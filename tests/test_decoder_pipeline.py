@@ -313,6 +313,9 @@ def test_cell_progress_counts_runs_beyond_the_grid_and_names_the_extensions_stil
     assert cell_progress(cell, grid, 3, extend=1) == f"{extended} (2 runs left, 25 min per run so far)"
     fresh = cell_progress(tmp_path / "cb" / "lora", grid, 3, extend=1)
     assert fresh == "cb/lora: 0 of 3 grid points, 0 of 2 more seeds (5 runs left + up to 1 beyond the grid)"
+    (cell / "seed-1").mkdir()
+    (cell / "seed-1" / "results.json").write_text(json.dumps({"wall_time_s": 60 * 25}))
+    assert cell_progress(cell, grid, 3, extend=1).endswith("1 of 2 more seeds (1 run left, 25 min per run so far)")
 
 
 def test_sweep_table_gives_parameters_and_the_average_of_methods_with_every_task():

@@ -356,7 +356,7 @@ def cell_progress(cell: Path, grid: list[float], seeds: int, extend: int = 0) ->
     maybe = f" + up to {extend - len(beyond)} beyond the grid" if extend > len(beyond) else ""
     more_seeds = f", {seeds_done} of {len(seed_runs)} more seeds" if seed_runs else ""
     where = f"{cell.parent.name}/{cell.name}: {grid_done} of {len(grid_runs)} grid points{extensions}{more_seeds}"
-    return f"{where} ({left} runs left{maybe}{pace})"
+    return f"{where} ({left} run{'s' if left != 1 else ''} left{maybe}{pace})"
 
 
 def _stored_rate(folder: Path, lr: float) -> float:
