@@ -453,3 +453,16 @@ def test_phm_terms_must_divide_the_widths():
 def test_bad_number_options_name_the_field(method, field, value):
     with pytest.raises(ValueError, match=rf"Options\.{field} must be a number"):
         make_options(method, {field: value})
+
+
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda: make_options("vfpt", {"every_layer": "yes"}), "VFPTOptions.every_layer"),
+        (lambda: make_options("idpg", {"every_layer": 1}), "IDPGOptions.every_layer"),
+        (lambda: AdapterOptions(train_norms="no"), "AdapterOptions.train_norms"),
+    ],
+)
+def test_bad_flag_options_name_the_field(make, field):
+    with pytest.raises(ValueError, match=rf"{field} must be true or false"):
+        make()

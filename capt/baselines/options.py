@@ -29,6 +29,13 @@ def _number(owner: object, name: str, zero_allowed: bool) -> None:
         raise ValueError(f"{type(owner).__name__}.{name} must be a number {bound}, got {value!r}")
 
 
+def _flag(owner: object, *names: str) -> None:
+    for name in names:
+        value = getattr(owner, name)
+        if not isinstance(value, bool):
+            raise ValueError(f"{type(owner).__name__}.{name} must be true or false, got {value!r}")
+
+
 class _SoftPrompt:
     """What every prompt method's options tell the slot machinery: `length` slots, written at the input layer
     unless a subclass says `every_layer`."""
@@ -96,6 +103,7 @@ class IDPGOptions(_SoftPrompt):
 
     def __post_init__(self) -> None:
         _positive(self, "length", "bottleneck")
+        _flag(self, "every_layer")
         if not isinstance(self.phm, int) or isinstance(self.phm, bool) or self.phm < 0:
             raise ValueError(f"IDPGOptions.phm must be an integer >= 0, got {self.phm!r}")
         if self.phm and self.bottleneck % self.phm:
@@ -167,11 +175,10 @@ class VFPTOptions(_SoftPrompt):
 
     def __post_init__(self) -> None:
         _positive(self, "length")
-        fraction = self.fourier_fraction
-        if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 <= fraction <= 1:
-            raise ValueError(f"VFPTOptions.fourier_fraction must be a number in [0, 1], got {fraction!r}")
-        if not isinstance(self.every_layer, bool):
-            raise ValueError(f"VFPTOptions.every_layer must be true or false, got {self.every_layer!r}")
+        _number(self, "fourier_fraction", zero_allowed=True)
+        if self.fourier_fraction > 1:
+            raise ValueError(f"VFPTOptions.fourier_fraction must be a number <= 1, got {self.fourier_fraction!r}")
+        _flag(self, "every_layer")
 
     @property
     def fourier_tokens(self) -> int:
@@ -193,8 +200,7 @@ class AdapterOptions:
 
     def __post_init__(self) -> None:
         _positive(self, "bottleneck")
-        if not isinstance(self.train_norms, bool):
-            raise ValueError(f"AdapterOptions.train_norms must be true or false, got {self.train_norms!r}")
+        _flag(self, "train_norms")
 
     def parameter_count(self, hidden: int, sublayers: int, norm_params: int = 0) -> int:
         """`sublayers`: 2 per encoder or decoder-only layer, 3 per T5 decoder layer (cross-attention too);
