@@ -337,25 +337,45 @@ def test_sweep_table_gives_parameters_and_the_average_of_methods_with_every_task
         }
 
     cells = [cell("cb", "capt", 0.5, 100), cell("copa", "capt", 0.7, 300), cell("cb", "lora", 0.6, 400)]
-    table = sweep_table(cells, [{"task": "cb", "method": "majority", "test": {"score": 0.36}}], ["cb", "copa"])
+    zero_shot = {"task": "cb", "method": "zero-shot", "test": {"score": 0.2}}
+    top = {"top_prediction": {"label": "neutral", "share": 1.0}}
+    references = [zero_shot | top, {"task": "cb", "method": "majority", "test": {"score": 0.36}}]
+    table = sweep_table(cells, references, ["cb", "copa"])
     assert "| cb | capt | 17,280 (0.0128%) | 0.01 | 0.01: 50.0 | 50.0 ± 10.0 | 3 | 2.0 | 100 s | 1.00x |" in table
+    assert "| cb | zero-shot | 0 | - | - | 20.0 | - | 0 | - | - |" in table
+    assert table.endswith("most frequent answer and its share of the test set: cb neutral 100%.\n")
     assert "| cb | lora | 17,280 (0.0128%) | 0.01 | 0.01: 50.0 | 60.0 ± 10.0 | 3 | 2.0 | 400 s | 4.00x |" in table
     assert "| cb | majority | 0 | - | - | 36.0 | - | 0 | - | - |" in table
     assert "| average | capt | - | - | - | 60.0 | - | - | 200 s | 1.00x |" in table  # (50 + 70) / 2, (100 + 300) / 2
     assert "| average | lora |" not in table  # no COPA cell: no average
-    assert all(line.count("|") == 11 for line in table.splitlines())  # every row has the header's 10 columns
+    rows = [line for line in table.splitlines() if line.startswith("|")]
+    assert all(line.count("|") == 11 for line in rows)  # every row has the header's 10 columns
 
 
-def test_majority_reference_scores_the_most_frequent_training_label(tmp_path):
+def test_reference_rows_score_the_majority_label_and_count_the_zero_shot_answers(tmp_path):
     from capt.recipes.experiments import reference_results
     from capt.recipes.run import RunConfig
 
     config = RunConfig(task="cb", model="tiny-llama", data_dir=str(DATA), cache_dir=str(tmp_path), limit_eval=20)
-    majority = next(r for r in reference_results(config) if r["method"] == "majority")
+    zero_shot, majority = reference_results(config)
     splits = paper_splits("cb", DATA)
     label = Counter(ex.label for ex in splits["train"]).most_common(1)[0][0]
     test = splits["test"][:20]
     assert majority["test"]["accuracy"] == sum(ex.label == label for ex in test) / len(test)
+
+    # the untrained model's answers, one example at a time: no batching, padding or length order
+    backbone = load_backbone("tiny-llama")
+    fmt = make_format(backbone.family, "cb", backbone.tokenizer, config.max_length)
+    with torch.no_grad():
+        answers = [fmt.predict(backbone.model.eval(), fmt.collate([fmt.encode(ex)]))[0] for ex in test]
+    top, count = Counter(answers).most_common(1)[0]
+    assert zero_shot["top_prediction"] == {
+        "label": ("entailment", "contradiction", "neutral")[top],
+        "share": count / 20,
+    }
+    assert zero_shot["test"]["accuracy"] == pytest.approx(
+        sum(a == ex.label for a, ex in zip(answers, test, strict=True)) / 20
+    )
 
 
 @pytest.mark.parametrize("padding_side", ["left", "right"])

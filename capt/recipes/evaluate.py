@@ -1,6 +1,7 @@
 """Scoring a model on a split, and the tokenisation cache both training and scoring read.
 
-load_splits(config) -> encode_cached(fmt, examples, config) -> evaluate(model, fmt, features, examples, ...)
+load_splits(config) -> encode_cached(fmt, examples, config) -> evaluate(model, fmt, features, examples, ...),
+which scores what predict(model, fmt, features, ...) returns.
 """
 
 from __future__ import annotations
@@ -70,6 +71,21 @@ def encode_cached(fmt: TaskFormat, examples: list[Example], config: RunConfig) -
 
 
 @torch.no_grad()
+def predict(
+    model: nn.Module, fmt: TaskFormat, features: list[dict], batch_size: int, device: torch.device | str = "cpu"
+) -> list[int]:
+    """The format's prediction for every feature, in input order (batched in length order, for less padding)."""
+    model.eval()
+    order = sorted(range(len(features)), key=lambda i: fmt.length(features[i]))
+    predictions: dict[int, int] = {}
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        batch = to_device(fmt.collate([features[i] for i in chunk]), device)
+        predictions.update(zip(chunk, fmt.predict(model, batch), strict=True))
+    return [predictions[i] for i in range(len(features))]
+
+
+@torch.no_grad()
 def evaluate(
     model: nn.Module,
     fmt: TaskFormat,
@@ -78,15 +94,8 @@ def evaluate(
     batch_size: int,
     device: torch.device | str = "cpu",
 ) -> dict[str, float]:
-    """Predict every example (in length order, for less padding) and compute the task's metrics."""
-    model.eval()
-    order = sorted(range(len(features)), key=lambda i: fmt.length(features[i]))
-    predictions: dict[int, int] = {}
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
-        batch = to_device(fmt.collate([features[i] for i in chunk]), device)
-        predictions.update(zip(chunk, fmt.predict(model, batch), strict=True))
-    preds = [predictions[i] for i in range(len(examples))]
+    """Predict every example and compute the task's metrics."""
+    preds = predict(model, fmt, features, batch_size, device)
     if fmt.task == "record":
         return task_metrics(
             "record",

@@ -372,11 +372,13 @@ def reference_results(config: RunConfig) -> list[dict[str, Any]]:
     """The rows every method must beat on config.task's test split: the frozen backbone and the majority class.
 
     zero-shot: the backbone with no training, scored by the task format (for decoders: the LM's own label-word
-    likelihoods; an encoder's head is untrained, so its row is chance). majority: the most frequent training
-    label for every test example (label tasks only).
+    likelihoods; an encoder's head is untrained, so its row is chance). Its "top_prediction" names the label it
+    predicts most and the share of test examples that get it: a share of 1.0 means a constant predictor.
+    majority: the most frequent training label for every test example (label tasks only).
     """
     from .backbones import load_backbone
-    from .evaluate import encode_cached, evaluate, load_splits
+    from .data import TASKS
+    from .evaluate import encode_cached, evaluate, load_splits, predict
     from .formats import head_outputs, make_format
     from .metrics import task_metrics
 
@@ -384,13 +386,20 @@ def reference_results(config: RunConfig) -> list[dict[str, Any]]:
     backbone = load_backbone(config.model, num_labels=head_outputs(config.task), seed=0)
     fmt = make_format(backbone.family, config.task, backbone.tokenizer, config.max_length, config.t5_generate)
     test = splits["test"]
-    zero_shot = evaluate(backbone.model, fmt, encode_cached(fmt, test, config), test, config.eval_batch_size)
-    rows = [{"task": config.task, "method": "zero-shot", "test": zero_shot}]
-    labels = [ex.label for ex in splits["train"]]
-    if config.task != "record" and None not in labels:
-        majority = Counter(labels).most_common(1)[0][0]
-        groups = [ex.group for ex in test]
-        scores = task_metrics(config.task, [majority] * len(test), [ex.label for ex in test], groups=groups)
+    features = encode_cached(fmt, test, config)
+    if config.task == "record":  # a prediction indexes the example's own entities: no label to count
+        zero_shot = evaluate(backbone.model, fmt, features, test, config.eval_batch_size)
+        return [{"task": config.task, "method": "zero-shot", "test": zero_shot}]
+    predictions = predict(backbone.model, fmt, features, config.eval_batch_size)
+    gold, groups = [ex.label for ex in test], [ex.group for ex in test]
+    top_label, top_count = Counter(predictions).most_common(1)[0]
+    top_prediction = {"label": TASKS[config.task].labels[top_label], "share": top_count / len(test)}
+    zero_shot = task_metrics(config.task, predictions, gold, groups=groups)
+    rows = [{"task": config.task, "method": "zero-shot", "test": zero_shot, "top_prediction": top_prediction}]
+    train_labels = [ex.label for ex in splits["train"]]
+    if None not in train_labels:
+        majority = Counter(train_labels).most_common(1)[0][0]
+        scores = task_metrics(config.task, [majority] * len(test), gold, groups=groups)
         rows.append({"task": config.task, "method": "majority", "test": scores})
     return rows
 
@@ -399,7 +408,8 @@ def sweep_table(cells: list[dict[str, Any]], references: list[dict[str, Any]], t
     """Markdown: per task and method the trainable parameters, the chosen lr, every rate's validation score, test
     mean ± std over seeds, epochs and time to the best validation score, and that time relative to CaPT's (the
     paper's Table 2). With several tasks, an `average` row per method that has every task: the mean of its task
-    scores and of its times to best."""
+    scores and of its times to best. Below the table, the zero-shot model's most frequent answer per task and its
+    share of the test set (100%: the row is a constant predictor's score)."""
     lines = [
         "| task | method | trainable | chosen lr | validation by lr | test score | seeds | epochs to best "
         "| time to best | x capt |",
@@ -419,6 +429,12 @@ def sweep_table(cells: list[dict[str, Any]], references: list[dict[str, Any]], t
             lines.append(f"| {task} | {r['method']} | 0 | - | - | {100 * r['test']['score']:.1f} | - | 0 | - | - |")
     if len(tasks) > 1:
         lines += _average_rows(cells, tasks)
+    tops = [r for r in references if "top_prediction" in r]
+    if tops:
+        shares = ", ".join(
+            f"{r['task']} {r['top_prediction']['label']} {100 * r['top_prediction']['share']:.0f}%" for r in tops
+        )
+        lines += ["", f"The zero-shot model's most frequent answer and its share of the test set: {shares}."]
     return "\n".join(lines) + "\n"
 
 
