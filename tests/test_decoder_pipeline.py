@@ -378,6 +378,17 @@ def test_reference_rows_score_the_majority_label_and_count_the_zero_shot_answers
     )
 
 
+def test_zero_shot_answers_that_match_no_label_are_counted_as_none(tmp_path):
+    from capt.recipes.experiments import reference_results
+    from capt.recipes.run import RunConfig
+
+    # an untrained T5 generates text that is neither label: every prediction is -1, which must not read as a label
+    config = RunConfig(task="rte", model="tiny-t5", data_dir=str(DATA), cache_dir=str(tmp_path), limit_eval=8)
+    zero_shot = reference_results(dataclasses.replace(config, t5_generate=True))[0]
+    assert zero_shot["top_prediction"] == {"label": "(none of the labels)", "share": 1.0}
+    assert zero_shot["test"]["accuracy"] == 0.0
+
+
 @pytest.mark.parametrize("padding_side", ["left", "right"])
 @pytest.mark.parametrize("method", ["capt", "deep-prompt", "lora", "head"])  # not prompt: PEFT drops position ids
 def test_decoder_classifier_reads_the_last_real_token_whatever_the_padding(method, padding_side):

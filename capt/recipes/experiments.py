@@ -393,7 +393,8 @@ def reference_results(config: RunConfig) -> list[dict[str, Any]]:
     predictions = predict(backbone.model, fmt, features, config.eval_batch_size)
     gold, groups = [ex.label for ex in test], [ex.group for ex in test]
     top_label, top_count = Counter(predictions).most_common(1)[0]
-    top_prediction = {"label": TASKS[config.task].labels[top_label], "share": top_count / len(test)}
+    name = TASKS[config.task].labels[top_label] if top_label >= 0 else "(none of the labels)"  # -1: T5's text
+    top_prediction = {"label": name, "share": top_count / len(test)}
     zero_shot = task_metrics(config.task, predictions, gold, groups=groups)
     rows = [{"task": config.task, "method": "zero-shot", "test": zero_shot, "top_prediction": top_prediction}]
     train_labels = [ex.label for ex in splits["train"]]
