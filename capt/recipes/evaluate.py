@@ -1,7 +1,7 @@
 """Scoring a model on a split, and the tokenisation cache both training and scoring read.
 
 load_splits(config) -> encode_cached(fmt, examples, config) -> evaluate(model, fmt, features, examples, ...),
-which scores what predict(model, fmt, features, ...) returns.
+which is score_predictions(task, predict(model, fmt, features, ...), examples).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import nn
 from ..saving import atomic_write
 from . import formats
 from .data import Example, paper_splits, templates
-from .formats import TaskFormat
+from .formats import NO_OPTION, TaskFormat
 from .metrics import task_metrics
 from .run import RunConfig
 
@@ -95,14 +95,16 @@ def evaluate(
     device: torch.device | str = "cpu",
 ) -> dict[str, float]:
     """Predict every example and compute the task's metrics."""
-    preds = predict(model, fmt, features, batch_size, device)
-    if fmt.task == "record":
-        return task_metrics(
-            "record",
-            [ex.candidates[p] if p >= 0 else "" for ex, p in zip(examples, preds, strict=True)],  # -1: no match
-            [list(ex.answers) for ex in examples],
-        )
-    return task_metrics(fmt.task, preds, [ex.label for ex in examples], groups=[ex.group for ex in examples])
+    return score_predictions(fmt.task, predict(model, fmt, features, batch_size, device), examples)
+
+
+def score_predictions(task: str, predictions: list[int], examples: list[Example]) -> dict[str, float]:
+    """The task's metrics for one prediction per example: a label id, or for ReCoRD an index into the example's
+    entities; NO_OPTION (a generated answer that is none of the options) counts as wrong."""
+    if task == "record":
+        entities = [ex.candidates[p] if p != NO_OPTION else "" for ex, p in zip(examples, predictions, strict=True)]
+        return task_metrics("record", entities, [list(ex.answers) for ex in examples])
+    return task_metrics(task, predictions, [ex.label for ex in examples], groups=[ex.group for ex in examples])
 
 
 def to_device(value: Any, device) -> Any:

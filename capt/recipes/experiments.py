@@ -378,29 +378,25 @@ def reference_results(config: RunConfig) -> list[dict[str, Any]]:
     """
     from .backbones import load_backbone
     from .data import TASKS
-    from .evaluate import encode_cached, evaluate, load_splits, predict
-    from .formats import head_outputs, make_format
-    from .metrics import task_metrics
+    from .evaluate import encode_cached, load_splits, predict, score_predictions
+    from .formats import NO_OPTION, head_outputs, make_format
 
     splits = load_splits(config)
     backbone = load_backbone(config.model, num_labels=head_outputs(config.task), seed=0)
     fmt = make_format(backbone.family, config.task, backbone.tokenizer, config.max_length, config.t5_generate)
     test = splits["test"]
-    features = encode_cached(fmt, test, config)
-    if config.task == "record":  # a prediction indexes the example's own entities: no label to count
-        zero_shot = evaluate(backbone.model, fmt, features, test, config.eval_batch_size)
-        return [{"task": config.task, "method": "zero-shot", "test": zero_shot}]
-    predictions = predict(backbone.model, fmt, features, config.eval_batch_size)
-    gold, groups = [ex.label for ex in test], [ex.group for ex in test]
-    top_label, top_count = Counter(predictions).most_common(1)[0]
-    name = TASKS[config.task].labels[top_label] if top_label >= 0 else "(none of the labels)"  # -1: T5's text
-    top_prediction = {"label": name, "share": top_count / len(test)}
-    zero_shot = task_metrics(config.task, predictions, gold, groups=groups)
-    rows = [{"task": config.task, "method": "zero-shot", "test": zero_shot, "top_prediction": top_prediction}]
+    predictions = predict(backbone.model, fmt, encode_cached(fmt, test, config), config.eval_batch_size)
+    zero_shot = {"task": config.task, "method": "zero-shot", "test": score_predictions(config.task, predictions, test)}
+    if config.task == "record":  # a prediction indexes the example's own entities: no label to count or vote
+        return [zero_shot]
+    top, count = Counter(predictions).most_common(1)[0]
+    name = TASKS[config.task].labels[top] if top != NO_OPTION else "(none of the labels)"
+    zero_shot["top_prediction"] = {"label": name, "share": count / len(test)}
+    rows = [zero_shot]
     train_labels = [ex.label for ex in splits["train"]]
     if None not in train_labels:
         majority = Counter(train_labels).most_common(1)[0][0]
-        scores = task_metrics(config.task, [majority] * len(test), gold, groups=groups)
+        scores = score_predictions(config.task, [majority] * len(test), test)
         rows.append({"task": config.task, "method": "majority", "test": scores})
     return rows
 

@@ -28,6 +28,9 @@ from ..slots import positions_from_mask
 from .data import TASKS, Example, is_choice_task
 from .data import templates as tpl
 
+# What a generating format predicts for an answer that is none of the options: it matches no label, so it is wrong.
+NO_OPTION = -1
+
 Features = dict[str, Any]
 
 
@@ -194,9 +197,8 @@ class T5Format(OptionScoringFormat):
             do_sample=False,
         )
         texts = self.tokenizer.batch_decode(generated, skip_special_tokens=True)
-        # An answer that is none of the options is wrong: -1 matches no label.
         return [
-            next((i for i, o in enumerate(opts) if o.strip() == text.strip()), -1)
+            next((i for i, o in enumerate(opts) if o.strip() == text.strip()), NO_OPTION)
             for text, opts in zip(texts, batch["option_texts"], strict=True)
         ]
 
