@@ -101,6 +101,17 @@ def test_a_bad_lr_grid_is_refused_before_any_training(grid, message, tmp_path, c
         ("per_task:\n  cb: {method: lora}\n", "per_task.cb sets ['method']: a section holds its task's settings"),
         ("per_task:\n  rte: {max_lenght: 96}\n", "per_task.rte: unknown settings ['max_lenght']"),
         ("per_task:\n  rte: {epochs: ten}\n", "--epochs (YAML key epochs): got 'ten'; expected an integer"),
+        ("per_method:\n  loar: {lr: 0.1}\n", "per_method names unknown methods ['loar']; known: capt, deep-prompt"),
+        ("per_method:\n  full: {task: cb}\n", "per_method.full sets ['task']: a section holds its method's settings"),
+        (
+            "per_method:\n  full: {decoder_head: classifier}\nper_task:\n  cb: {decoder_head: lm}\n",
+            "['decoder_head'] set in both per_task and per_method; set each in one of them",
+        ),
+        ("plan: [cb]\n", "plan must map task names to lists of methods, got list"),
+        ("plan:\n  cd: [capt]\n", "plan names unknown tasks ['cd']"),
+        ("plan:\n  cb: capt\n", "plan.cb must be a list of methods, e.g. [capt, lora]"),
+        ("plan:\n  cb: [capt, loar]\n", "plan.cb names unknown methods ['loar']"),
+        ("plan:\n  cb: [capt, capt]\n", "plan.cb names capt more than once"),
     ],
 )
 def test_a_bad_yaml_file_is_refused_naming_file_and_key(yaml_text, message, tmp_path, capsys):
@@ -125,6 +136,67 @@ def test_a_per_task_section_sets_its_task_only_and_flags_still_win(tmp_path):
     assert settings() == ("rte", 96, 500, 10)  # the default task
     assert settings("--task", "rte", "--max-length", "128") == ("rte", 128, 500, 10)  # a flag over the section
     assert settings("--task", "cb", task="rte") == ("rte", 96, 500, 10)  # a command's own task (compare, sweep)
+
+
+def test_a_per_method_section_sets_its_method_only_and_flags_still_win(tmp_path):
+    from capt.recipes.cli import _parser, run_config
+
+    config = tmp_path / "study.yaml"
+    config.write_text("per_method:\n  full: {decoder_head: classifier, lr: 3.0e-5}\nper_task:\n  rte: {epochs: 5}\n")
+
+    def settings(*flags: str, **fixed: str) -> tuple:
+        run = run_config(_parser().parse_args(["train", "--config", str(config), *flags]), **fixed)
+        return run.method, run.decoder_head, run.lr, run.epochs
+
+    default = run_config(_parser().parse_args(["train"]))
+    assert settings("--method", "capt", "--task", "cb") == ("capt", "lm", default.lr, default.epochs)
+    assert settings("--method", "full", "--task", "rte") == ("full", "classifier", 3e-5, 5)  # both sections
+    assert settings("--method", "full", "--task", "cb", "--decoder-head", "lm") == ("full", "lm", 3e-5, default.epochs)
+    assert settings(method="full", task="cb") == ("full", "classifier", 3e-5, default.epochs)  # compare's, sweep's
+
+
+STUDY_PLAN = "plan:\n  cb: [capt, lora, full]\n  rte: [capt]\nper_method:\n  full: {decoder_head: classifier}\n"
+
+
+@pytest.mark.parametrize(
+    ("flags", "cells"),
+    [
+        ([], [("cb", "capt"), ("cb", "lora"), ("cb", "full"), ("rte", "capt")]),
+        (["--tasks", "rte"], [("rte", "capt")]),
+        (["--methods", "capt"], [("cb", "capt"), ("rte", "capt")]),
+        (["--tasks", "cb", "--methods", "full,capt"], [("cb", "capt"), ("cb", "full")]),  # in the plan's order
+    ],
+)
+def test_a_plan_gives_the_cells_of_compare_and_sweep_narrowed_by_the_flags(flags, cells, tmp_path):
+    from capt.recipes.cli import _parser, study_cells
+
+    config = tmp_path / "study.yaml"
+    config.write_text(STUDY_PLAN)
+    for command in ("compare", "sweep"):
+        assert study_cells(_parser().parse_args([command, "--config", str(config), *flags])) == cells
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--tasks", "rte", "--methods", "capt,lora"], "its plan does not run rte/lora; add them to its plan"),
+        (["--tasks", "copa"], "its plan does not run copa;"),
+        (["--methods", "lora,prompt"], "its plan does not run prompt;"),
+    ],
+)
+def test_a_cell_outside_the_plan_is_refused_before_any_training(flags, message, tmp_path, capsys):
+    config = tmp_path / "study.yaml"
+    config.write_text(STUDY_PLAN)
+    argv = ["sweep", "--config", str(config), *flags, "--data-dir", str(DATA), "--output-dir", str(tmp_path / "out")]
+    err = _error(capsys, argv)
+    assert str(config) in err and message in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_compare_and_sweep_without_a_plan_need_tasks_and_methods(tmp_path, capsys):
+    for command in ("compare", "sweep"):
+        err = _error(capsys, [command, "--methods", "capt", "--output-dir", str(tmp_path / "out")])
+        assert "give --tasks and --methods, or a --config file with a plan (task -> methods)" in err
 
 
 def test_yaml_exponent_numbers_are_floats(tmp_path):

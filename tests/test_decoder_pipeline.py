@@ -183,9 +183,10 @@ def test_sweep_picks_the_rate_by_validation_trains_the_seeds_and_resumes(tmp_pat
     ("study", "task", "flags"), [("smollm2-study-bf16", "cb", ["--bf16"]), ("smollm2-study", "copa", [])]
 )
 def test_the_committed_smollm2_study_is_read_back_not_retrained(study, task, flags, tmp_path, monkeypatch):
-    """The study command over a copy of the committed bf16 CB and float32 COPA cells (those read by label words),
-    with the grid each cell records and the task's settings from the config's `per_task` section (COPA's max length
-    32), reads every run back and rewrites the same cells."""
+    """The study command over a copy of the committed bf16 CB and float32 COPA cells, with the grid each cell
+    records and the settings from the config's `per_task` section (COPA's max length 32) and `per_method` section
+    (head-only and full fine-tuning read through the classification head), reads every run back and rewrites the
+    same cells."""
     from capt.recipes import experiments
     from capt.recipes.cli import main
 
@@ -193,15 +194,14 @@ def test_the_committed_smollm2_study_is_read_back_not_retrained(study, task, fla
     study = Path("results") / study
     cells = {}
     for done in sorted((repo / study / task).glob("*/results.json")):
-        grid_run = next(done.parent.glob("grid/*/run_config.json"))
-        if json.loads(grid_run.read_text())["decoder_head"] != "lm":
-            continue
         cells[done.parent.name] = done.read_text()
         for stored in done.parent.rglob("*.json*"):  # results, run_config, metrics.jsonl
             copy = tmp_path / stored.relative_to(repo)
             copy.parent.mkdir(parents=True, exist_ok=True)
             copy.write_bytes(stored.read_bytes())
-    assert {"capt", "deep-prompt"} <= set(cells)
+    assert {"capt", "deep-prompt"} <= set(cells) and (
+        study.name == "smollm2-study-bf16" or {"head", "full"} <= set(cells)
+    )
     # Each rate as a user types it from the table (6 digits: 0.00333333 for the run trained at 0.01 / 3).
     grids = ";".join(f"{m}=" + ",".join(f"{p['lr']:g}" for p in json.loads(c)["grid"]) for m, c in cells.items())
 
@@ -217,6 +217,20 @@ def test_the_committed_smollm2_study_is_read_back_not_retrained(study, task, fla
     assert main(argv) == 0
     for method, text in cells.items():
         assert (tmp_path / study / task / method / "results.json").read_text() == text  # rebuilt the same
+
+
+def test_the_study_plan_holds_every_committed_cell():
+    """`capt sweep --config configs/smollm2-study.yaml` (no --tasks, --methods) runs the plan: every committed
+    float32 cell must be in it, or the one-command study would leave it out of the table."""
+    from capt.recipes.cli import read_settings_file
+
+    repo = Path(__file__).resolve().parents[1]
+    plan = read_settings_file(str(repo / "configs" / "smollm2-study.yaml")).plan
+    committed = {
+        (p.parent.parent.name, p.parent.name) for p in (repo / "results" / "smollm2-study").glob("*/*/results.json")
+    }
+    assert len(committed) >= 28  # as of 2026-12-05; the study only grows
+    assert committed <= {(task, method) for task, methods in plan.items() for method in methods}
 
 
 def test_sweep_extends_a_grid_whose_best_rate_is_at_its_end(tmp_path, monkeypatch, capsys):

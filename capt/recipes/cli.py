@@ -86,16 +86,14 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.set_defaults(handler=_eval)
 
     compare = commands.add_parser("compare", help="several methods on several tasks -> one results table")
-    compare.add_argument("--tasks", required=True, help="comma-separated, e.g. cb,copa,rte,wic")
-    compare.add_argument("--methods", required=True, help="comma-separated, e.g. capt,deep-prompt,prompt,lora")
+    _add_cell_flags(compare)
     _add_run_flags(compare, exclude=("task", "method"))
     compare.set_defaults(handler=_compare)
 
     sweep = commands.add_parser(
         "sweep", help="tune the learning rate per method x task on validation, then train the chosen rate over seeds"
     )
-    sweep.add_argument("--tasks", required=True, help="comma-separated, e.g. cb,copa,rte,wic")
-    sweep.add_argument("--methods", required=True, help="comma-separated, e.g. capt,prompt,lora")
+    _add_cell_flags(sweep)
     sweep.add_argument(
         "--lr-grid",
         default="",
@@ -133,6 +131,13 @@ def _parser() -> argparse.ArgumentParser:
 
     _add_analyze_parser(commands)
     return parser
+
+
+def _add_cell_flags(parser: argparse.ArgumentParser) -> None:
+    """--tasks and --methods of `compare` and `sweep` (optional where the --config file has a plan)."""
+    note = "; with a --config plan: narrows it (default: all of it)"
+    parser.add_argument("--tasks", help="comma-separated, e.g. cb,copa,rte,wic" + note)
+    parser.add_argument("--methods", help="comma-separated, e.g. capt,deep-prompt,prompt,lora" + note)
 
 
 def _add_run_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
@@ -178,49 +183,102 @@ def _read_yaml(path: str) -> dict[str, Any]:
     return loaded
 
 
-# The YAML section of settings that differ by task, so that one file holds a study whose tasks need other lengths,
-# subsets or epochs: `per_task: {copa: {max_length: 32}, rte: {limit_train: 500}}`.
+# The YAML sections of settings that differ by task or by method, so that one file holds a study whose tasks need
+# other lengths, subsets or epochs, and whose methods other heads:
+# `per_task: {copa: {max_length: 32}}`, `per_method: {full: {decoder_head: classifier}}`.
 PER_TASK_KEY = "per_task"
+PER_METHOD_KEY = "per_method"
+# The YAML map of a study's cells, task -> methods: `plan: {cb: [capt, lora], rte: [capt]}`. `compare` and `sweep`
+# run the plan when --tasks and --methods are left out; given, they pick among its cells.
+PLAN_KEY = "plan"
 
 
-def _per_task_settings(section: Any, path: str, names: set[str]) -> dict[str, dict[str, Any]]:
-    """The `per_task` section of a --config file, checked: known task names, each a mapping of known settings."""
+@dataclasses.dataclass(frozen=True)
+class SettingsFile:
+    """A --config file, checked: its settings, its per-task and per-method sections and its plan."""
+
+    settings: dict[str, Any]
+    per_task: dict[str, dict[str, Any]]
+    per_method: dict[str, dict[str, Any]]
+    plan: dict[str, list[str]]
+
+
+def read_settings_file(path: str) -> SettingsFile:
+    """Read and check a --config file; every error names the file and the key."""
     from .data import TASKS
+    from .methods import METHODS
+    from .run import RunConfig
 
+    names = {f.name for f in dataclasses.fields(RunConfig)}
+    loaded = _read_yaml(path)
+    per_task = _section_settings(loaded.pop(PER_TASK_KEY, {}), path, PER_TASK_KEY, "task", TASKS, names)
+    per_method = _section_settings(loaded.pop(PER_METHOD_KEY, {}), path, PER_METHOD_KEY, "method", METHODS, names)
+    plan = _plan(loaded.pop(PLAN_KEY, {}), path, TASKS, METHODS)
+    unknown = sorted(set(loaded) - names)
+    if unknown:
+        raise ValueError(f"{path}: unknown settings {unknown}")
+    # Which of two sections wins would be an arbitrary rule a reader must remember: a setting lives in one.
+    both = sorted({k for s in per_task.values() for k in s} & {k for s in per_method.values() for k in s})
+    if both:
+        raise ValueError(f"{path}: {both} set in both {PER_TASK_KEY} and {PER_METHOD_KEY}; set each in one of them")
+    return SettingsFile(loaded, per_task, per_method, plan)
+
+
+def _section_settings(
+    section: Any, path: str, key: str, noun: str, known: Any, names: set[str]
+) -> dict[str, dict[str, Any]]:
+    """A `per_task` or `per_method` section, checked: known task (method) names, each a mapping of known settings."""
     if not isinstance(section, dict):
-        raise ValueError(f"{path}: {PER_TASK_KEY} must map task names to settings, got {type(section).__name__}")
-    unknown_tasks = sorted(set(section) - set(TASKS))
-    if unknown_tasks:
-        raise ValueError(f"{path}: {PER_TASK_KEY} names unknown tasks {unknown_tasks}; known: {', '.join(TASKS)}")
-    for task, settings in section.items():
+        raise ValueError(f"{path}: {key} must map {noun} names to settings, got {type(section).__name__}")
+    unknown_names = sorted(set(section) - set(known))
+    if unknown_names:
+        raise ValueError(f"{path}: {key} names unknown {noun}s {unknown_names}; known: {', '.join(known)}")
+    for name, settings in section.items():
         if not isinstance(settings, dict):
-            raise ValueError(f"{path}: {PER_TASK_KEY}.{task} must be a mapping of settings")
+            raise ValueError(f"{path}: {key}.{name} must be a mapping of settings")
         fixed = sorted(set(settings) & {"task", "method"})
         if fixed:
-            raise ValueError(f"{path}: {PER_TASK_KEY}.{task} sets {fixed}: a section holds its task's settings")
+            raise ValueError(f"{path}: {key}.{name} sets {fixed}: a section holds its {noun}'s settings")
         unknown = sorted(set(settings) - names)
         if unknown:
-            raise ValueError(f"{path}: {PER_TASK_KEY}.{task}: unknown settings {unknown}")
+            raise ValueError(f"{path}: {key}.{name}: unknown settings {unknown}")
+    return section
+
+
+def _plan(section: Any, path: str, tasks: Any, methods: Any) -> dict[str, list[str]]:
+    """The `plan` section, checked: known tasks, each a list of known methods, none twice."""
+    if not isinstance(section, dict):
+        raise ValueError(f"{path}: {PLAN_KEY} must map task names to lists of methods, got {type(section).__name__}")
+    unknown_tasks = sorted(set(section) - set(tasks))
+    if unknown_tasks:
+        raise ValueError(f"{path}: {PLAN_KEY} names unknown tasks {unknown_tasks}; known: {', '.join(tasks)}")
+    for task, planned in section.items():
+        if not isinstance(planned, list) or not planned:
+            raise ValueError(f"{path}: {PLAN_KEY}.{task} must be a list of methods, e.g. [capt, lora]")
+        unknown = sorted({str(m) for m in planned} - set(methods))
+        if unknown:
+            raise ValueError(f"{path}: {PLAN_KEY}.{task} names unknown methods {unknown}; known: {', '.join(methods)}")
+        _refuse_duplicates(planned, f"{path}: {PLAN_KEY}.{task}")
     return section
 
 
 def run_config(args: argparse.Namespace, **fixed: Any) -> RunConfig:
-    """RunConfig from defaults < YAML (--config) < the YAML's `per_task` section for the run's task < flags <
-    `fixed`."""
+    """RunConfig from defaults < YAML (--config) < its `per_method` and `per_task` sections for the run's method
+    and task < flags < `fixed`."""
     from .run import RunConfig
 
     names = {f.name for f in dataclasses.fields(RunConfig)}
     flags = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     settings: dict[str, Any] = {}
     if args.config:
-        loaded = _read_yaml(args.config)
-        per_task = _per_task_settings(loaded.pop(PER_TASK_KEY, {}), args.config, names)
-        unknown = sorted(set(loaded) - names)
-        if unknown:
-            raise ValueError(f"{args.config}: unknown settings {unknown}")
-        settings.update(loaded)
-        task = fixed.get("task", flags.get("task", settings.get("task", RunConfig.task)))
-        settings.update(per_task.get(task, {}))
+        study = read_settings_file(args.config)
+        settings.update(study.settings)
+
+        def chosen(key: str) -> Any:
+            return fixed.get(key, flags.get(key, settings.get(key, getattr(RunConfig, key))))
+
+        settings.update(study.per_method.get(chosen("method"), {}))
+        settings.update(study.per_task.get(chosen("task"), {}))
     settings.update(flags)
     settings.update(fixed)
     try:
@@ -232,6 +290,36 @@ def run_config(args: argparse.Namespace, **fixed: Any) -> RunConfig:
     if not existing.is_dir():
         raise ValueError(f"--output-dir {out}: {existing} is a file, not a folder")
     return config
+
+
+def study_cells(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The (task, method) cells of `compare` and `sweep`: --tasks x --methods; with a --config file that has a
+    plan, the plan's cells, narrowed to the tasks and methods given. A name that picks no planned cell, or a pair
+    of --tasks x --methods that the plan does not hold, is refused: a study never runs a cell its plan leaves out,
+    and a typed name is never silently dropped."""
+    tasks = _comma_list(args.tasks, "--tasks") if args.tasks else None
+    methods = _comma_list(args.methods, "--methods") if args.methods else None
+    plan = read_settings_file(args.config).plan if args.config else {}
+    if not plan:
+        if tasks is None or methods is None:
+            raise ValueError("give --tasks and --methods, or a --config file with a plan (task -> methods)")
+        return [(task, method) for task in tasks for method in methods]
+    cells = [
+        (task, method)
+        for task, planned in plan.items()
+        for method in planned
+        if (tasks is None or task in tasks) and (methods is None or method in methods)
+    ]
+    if tasks is not None and methods is not None:
+        unplanned = [f"{t}/{m}" for t in tasks for m in methods if (t, m) not in cells]
+    else:
+        unplanned = [n for n in tasks or [] if n not in {t for t, _ in cells}]
+        unplanned += [n for n in methods or [] if n not in {m for _, m in cells}]
+    if unplanned:
+        raise ValueError(
+            f"{args.config}: its plan does not run {', '.join(unplanned)}; add them to its {PLAN_KEY} section"
+        )
+    return cells
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -351,8 +439,7 @@ def _refuse_duplicates(items: list[str], flag: str) -> None:
 def _compare(args: argparse.Namespace) -> int:
     from .experiments import compare
 
-    tasks, methods = _comma_list(args.tasks, "--tasks"), _comma_list(args.methods, "--methods")
-    configs = [run_config(args, task=task, method=method) for task in tasks for method in methods]
+    configs = [run_config(args, task=task, method=method) for task, method in study_cells(args)]
     print(compare(configs, args.seeds, args.overwrite))
     return 0
 
@@ -360,14 +447,14 @@ def _compare(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     from .experiments import parse_lr_grid, sweep
 
-    tasks, methods = _comma_list(args.tasks, "--tasks"), _comma_list(args.methods, "--methods")
+    cells = study_cells(args)
     grid = parse_lr_grid(args.lr_grid)
-    unknown = sorted(set(grid) - set(methods))
+    unknown = sorted(set(grid) - {method for _, method in cells})
     if unknown:
-        raise ValueError(f"--lr-grid names methods not in --methods: {', '.join(unknown)}")
+        raise ValueError(f"--lr-grid names methods the sweep does not run: {', '.join(unknown)}")
     if args.extend_grid < 0:
         raise ValueError(f"--extend-grid must be 0 or more extensions per cell, got {args.extend_grid}")
-    configs = [run_config(args, task=task, method=method) for task in tasks for method in methods]
+    configs = [run_config(args, task=task, method=method) for task, method in cells]
     print(sweep(configs, grid, args.seeds, args.overwrite, args.references, args.finished_only, args.extend_grid))
     return 0
 
