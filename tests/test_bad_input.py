@@ -121,38 +121,28 @@ def test_a_bad_yaml_file_is_refused_naming_file_and_key(yaml_text, message, tmp_
     assert str(config) in err and message in err
 
 
-def test_a_per_task_section_sets_its_task_only_and_flags_still_win(tmp_path):
+def test_per_task_and_per_method_sections_set_their_own_cells_and_flags_still_win(tmp_path):
     from capt.recipes.cli import _parser, run_config
 
     config = tmp_path / "study.yaml"
-    config.write_text("max_length: 160\nepochs: 10\nper_task:\n  rte: {max_length: 96, limit_train: 500}\n")
+    config.write_text(
+        "max_length: 160\nepochs: 10\nper_task:\n  rte: {max_length: 96, limit_train: 500}\n"
+        "per_method:\n  full: {decoder_head: classifier, lr: 3.0e-5}\n"
+    )
 
     def settings(*flags: str, **fixed: str) -> tuple:
         run = run_config(_parser().parse_args(["train", "--config", str(config), *flags]), **fixed)
-        return run.task, run.max_length, run.limit_train, run.epochs
+        return run.task, run.max_length, run.limit_train, run.epochs, run.method, run.decoder_head, run.lr
 
-    assert settings("--task", "cb") == ("cb", 160, None, 10)
-    assert settings("--task", "rte") == ("rte", 96, 500, 10)
-    assert settings() == ("rte", 96, 500, 10)  # the default task
-    assert settings("--task", "rte", "--max-length", "128") == ("rte", 128, 500, 10)  # a flag over the section
-    assert settings("--task", "cb", task="rte") == ("rte", 96, 500, 10)  # a command's own task (compare, sweep)
-
-
-def test_a_per_method_section_sets_its_method_only_and_flags_still_win(tmp_path):
-    from capt.recipes.cli import _parser, run_config
-
-    config = tmp_path / "study.yaml"
-    config.write_text("per_method:\n  full: {decoder_head: classifier, lr: 3.0e-5}\nper_task:\n  rte: {epochs: 5}\n")
-
-    def settings(*flags: str, **fixed: str) -> tuple:
-        run = run_config(_parser().parse_args(["train", "--config", str(config), *flags]), **fixed)
-        return run.method, run.decoder_head, run.lr, run.epochs
-
-    default = run_config(_parser().parse_args(["train"]))
-    assert settings("--method", "capt", "--task", "cb") == ("capt", "lm", default.lr, default.epochs)
-    assert settings("--method", "full", "--task", "rte") == ("full", "classifier", 3e-5, 5)  # both sections
-    assert settings("--method", "full", "--task", "cb", "--decoder-head", "lm") == ("full", "lm", 3e-5, default.epochs)
-    assert settings(method="full", task="cb") == ("full", "classifier", 3e-5, default.epochs)  # compare's, sweep's
+    capt_lr = run_config(_parser().parse_args(["train", "--method", "capt"])).lr
+    assert settings("--task", "cb") == ("cb", 160, None, 10, "capt", "lm", capt_lr)
+    assert settings("--task", "rte") == ("rte", 96, 500, 10, "capt", "lm", capt_lr)
+    assert settings() == ("rte", 96, 500, 10, "capt", "lm", capt_lr)  # the default task and method
+    assert settings("--task", "rte", "--max-length", "128")[:3] == ("rte", 128, 500)  # a flag over the section
+    assert settings("--task", "cb", task="rte")[:3] == ("rte", 96, 500)  # a command's own task (compare, sweep)
+    assert settings("--method", "full", "--task", "rte") == ("rte", 96, 500, 10, "full", "classifier", 3e-5)
+    assert settings("--method", "full", "--decoder-head", "lm")[4:] == ("full", "lm", 3e-5)
+    assert settings(method="full")[4:] == ("full", "classifier", 3e-5)  # a command's own method
 
 
 STUDY_PLAN = "plan:\n  cb: [capt, lora, full]\n  rte: [capt]\nper_method:\n  full: {decoder_head: classifier}\n"

@@ -224,16 +224,21 @@ def read_settings_file(path: str) -> SettingsFile:
     return SettingsFile(loaded, per_task, per_method, plan)
 
 
+def _keyed_by(section: Any, path: str, key: str, noun: str, known: Any, values: str) -> dict[str, Any]:
+    """A section that maps task (or method) names to `values`, checked: a mapping, of known names only."""
+    if not isinstance(section, dict):
+        raise ValueError(f"{path}: {key} must map {noun} names to {values}, got {type(section).__name__}")
+    unknown = sorted(set(section) - set(known))
+    if unknown:
+        raise ValueError(f"{path}: {key} names unknown {noun}s {unknown}; known: {', '.join(known)}")
+    return section
+
+
 def _section_settings(
     section: Any, path: str, key: str, noun: str, known: Any, names: set[str]
 ) -> dict[str, dict[str, Any]]:
     """A `per_task` or `per_method` section, checked: known task (method) names, each a mapping of known settings."""
-    if not isinstance(section, dict):
-        raise ValueError(f"{path}: {key} must map {noun} names to settings, got {type(section).__name__}")
-    unknown_names = sorted(set(section) - set(known))
-    if unknown_names:
-        raise ValueError(f"{path}: {key} names unknown {noun}s {unknown_names}; known: {', '.join(known)}")
-    for name, settings in section.items():
+    for name, settings in _keyed_by(section, path, key, noun, known, "settings").items():
         if not isinstance(settings, dict):
             raise ValueError(f"{path}: {key}.{name} must be a mapping of settings")
         fixed = sorted(set(settings) & {"task", "method"})
@@ -247,12 +252,7 @@ def _section_settings(
 
 def _plan(section: Any, path: str, tasks: Any, methods: Any) -> dict[str, list[str]]:
     """The `plan` section, checked: known tasks, each a list of known methods, none twice."""
-    if not isinstance(section, dict):
-        raise ValueError(f"{path}: {PLAN_KEY} must map task names to lists of methods, got {type(section).__name__}")
-    unknown_tasks = sorted(set(section) - set(tasks))
-    if unknown_tasks:
-        raise ValueError(f"{path}: {PLAN_KEY} names unknown tasks {unknown_tasks}; known: {', '.join(tasks)}")
-    for task, planned in section.items():
+    for task, planned in _keyed_by(section, path, PLAN_KEY, "task", tasks, "lists of methods").items():
         if not isinstance(planned, list) or not planned:
             raise ValueError(f"{path}: {PLAN_KEY}.{task} must be a list of methods, e.g. [capt, lora]")
         unknown = sorted({str(m) for m in planned} - set(methods))
