@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 from collections import Counter
 from functools import partial
 from pathlib import Path
@@ -355,15 +356,34 @@ def test_sweep_table_gives_parameters_and_the_average_of_methods_with_every_task
     top = {"top_prediction": {"label": "neutral", "share": 1.0}}
     references = [zero_shot | top, {"task": "cb", "method": "majority", "test": {"score": 0.36}}]
     table = sweep_table(cells, references, ["cb", "copa"])
-    assert "| cb | capt | 17,280 (0.0128%) | 0.01 | 0.01: 50.0 | 50.0 ± 10.0 | 3 | 2.0 | 100 s | 1.00x |" in table
-    assert "| cb | zero-shot | 0 | - | - | 20.0 | - | 0 | - | - |" in table
+    assert "| cb | capt | 17,280 (0.0128%) | 0.01 | 0.01: 50.0 | 50.0 ± 10.0 | 3 | 2.0 | 100 s | 1.00x | - |" in table
+    assert "| cb | zero-shot | 0 | - | - | 20.0 | - | 0 | - | - | - |" in table
     assert table.endswith("most frequent answer and its share of the test set: cb neutral 100%.\n")
-    assert "| cb | lora | 17,280 (0.0128%) | 0.01 | 0.01: 50.0 | 60.0 ± 10.0 | 3 | 2.0 | 400 s | 4.00x |" in table
-    assert "| cb | majority | 0 | - | - | 36.0 | - | 0 | - | - |" in table
-    assert "| average | capt | - | - | - | 60.0 | - | - | 200 s | 1.00x |" in table  # (50 + 70) / 2, (100 + 300) / 2
+    # LoRA vs CaPT: +10 points; Welch's t = 0.1 / sqrt(0.1² / 3 + 0.1² / 3) with 4 degrees of freedom, whose
+    # two-sided p has a closed form: 1 - 2 (F(t) - 1/2), F(t) - 1/2 = 3/8 x (1 - t² / (12 (1 + t² / 4))).
+    t = 0.1 / math.sqrt(0.1**2 / 3 + 0.1**2 / 3)
+    x = t / math.sqrt(1 + t**2 / 4)
+    p = 1 - 2 * (3 / 8) * x * (1 - t**2 / (12 * (1 + t**2 / 4)))
+    lora = "| cb | lora | 17,280 (0.0128%) | 0.01 | 0.01: 50.0 | 60.0 ± 10.0 | 3 | 2.0 | 400 s | 4.00x "
+    lora += f"| +10.0 (p {p:.2f}) |"
+    assert lora in table and f"{p:.2f}" == "0.29"
+    assert "| cb | majority | 0 | - | - | 36.0 | - | 0 | - | - | - |" in table
+    assert (
+        "| average | capt | - | - | - | 60.0 | - | - | 200 s | 1.00x | - |" in table
+    )  # (50 + 70) / 2, (100 + 300) / 2
     assert "| average | lora |" not in table  # no COPA cell: no average
     rows = [line for line in table.splitlines() if line.startswith("|")]
-    assert all(line.count("|") == 11 for line in rows)  # every row has the header's 10 columns
+    assert all(line.count("|") == 12 for line in rows)  # every row has the header's 11 columns
+
+
+def test_versus_capt_gives_no_p_without_seed_noise():
+    from capt.recipes.experiments import versus_capt
+
+    capt = {"score": {"mean": 0.5, "std": 0.1}, "seeds": [0, 1, 2]}
+    assert versus_capt({"score": {"mean": 0.62, "std": 0.0}, "seeds": [0]}, capt) == "+12.0"  # one seed
+    steady = {"score": {"mean": 0.5, "std": 0.0}, "seeds": [0, 1, 2]}
+    assert versus_capt(steady | {"score": {"mean": 0.45, "std": 0.0}}, steady) == "-5.0"  # neither varies
+    assert versus_capt({"score": {"mean": 0.9, "std": 0.001}, "seeds": [0, 1, 2]}, steady) == "+40.0 (p < 0.001)"
 
 
 def test_reference_rows_score_the_majority_label_and_count_the_zero_shot_answers(tmp_path):
