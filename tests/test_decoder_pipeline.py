@@ -307,6 +307,9 @@ def test_sweep_finished_only_tabulates_what_exists_and_trains_nothing(tmp_path, 
     untouched = "{}: 0 of 3 grid points, 0 of 2 more seeds (5 runs left)"
     expected = "; ".join([lora, *(untouched.format(f"copa/{m}") for m in ("capt", "deep-prompt", "lora"))])
     assert f"Not finished yet: {expected}." in table
+    cb_pace = sum(lora_minutes) / 2  # CB's only finished runs are LoRA's two (the other cells are summaries)
+    left = f"Left in all: 18 runs; about {cb_pace * 3 / 60:.1f} run-hours at each task's mean run time so far "
+    assert f"{left}(cb {cb_pace:.0f} min); no finished run yet on copa.\n" in table
     assert "| average |" not in table  # no method has both tasks
     assert not (tmp_path / "study" / "cb" / "lora" / "results.json").exists()  # nor summarises an unfinished cell
 
@@ -322,15 +325,35 @@ def test_cell_progress_counts_runs_beyond_the_grid_and_names_the_extensions_stil
     grid = [0.01, 0.03, 0.09]
     extended = "cb/capt: 3 of 3 grid points and 1 beyond it, 0 of 2 more seeds"
     assert (
-        cell_progress(cell, grid, 3, extend=2)
+        str(cell_progress(cell, grid, 3, extend=2))
         == f"{extended} (2 runs left + up to 1 beyond the grid, 25 min per run so far)"
     )
-    assert cell_progress(cell, grid, 3, extend=1) == f"{extended} (2 runs left, 25 min per run so far)"
+    assert str(cell_progress(cell, grid, 3, extend=1)) == f"{extended} (2 runs left, 25 min per run so far)"
     fresh = cell_progress(tmp_path / "cb" / "lora", grid, 3, extend=1)
-    assert fresh == "cb/lora: 0 of 3 grid points, 0 of 2 more seeds (5 runs left + up to 1 beyond the grid)"
+    assert str(fresh) == "cb/lora: 0 of 3 grid points, 0 of 2 more seeds (5 runs left + up to 1 beyond the grid)"
     (cell / "seed-1").mkdir()
     (cell / "seed-1" / "results.json").write_text(json.dumps({"wall_time_s": 60 * 25}))
-    assert cell_progress(cell, grid, 3, extend=1).endswith("1 of 2 more seeds (1 run left, 25 min per run so far)")
+    progress = cell_progress(cell, grid, 3, extend=1)
+    assert str(progress).endswith("1 of 2 more seeds (1 run left, 25 min per run so far)")
+
+
+def test_work_left_prices_the_runs_left_at_each_task_pace_and_names_tasks_without_one(tmp_path):
+    from capt.recipes.experiments import cell_progress, work_left
+
+    for run, minutes in [("cb/capt/grid/lr-0.01", 10), ("cb/capt/seed-1", 20), ("cb/lora/grid/lr-0.001", 30)]:
+        (tmp_path / run).mkdir(parents=True)
+        (tmp_path / run / "results.json").write_text(json.dumps({"wall_time_s": 60 * minutes}))
+    (tmp_path / "cb" / "lora" / "seed-1").mkdir()  # started, not finished: not part of the pace
+    progress = [
+        cell_progress(tmp_path / "cb" / "lora", [0.0003, 0.001, 0.003], 3, extend=1),  # 4 left + up to 1
+        cell_progress(tmp_path / "copa" / "capt", [0.01], 2, extend=1),  # 2 left + up to 1, and no pace on copa
+    ]
+    assert [(p.left, p.maybe) for p in progress] == [(4, 1), (2, 1)]
+    # CB's pace is the mean of all its finished runs, any method: (10 + 20 + 30) / 3 = 20 min; 4 runs = 1.3 h.
+    assert work_left(progress, tmp_path) == (
+        "Left in all: 6 runs (+ up to 2 beyond the grids); about 1.3 run-hours at each task's mean run time so far "
+        "(cb 20 min); no finished run yet on copa."
+    )
 
 
 def test_sweep_table_gives_parameters_and_the_average_of_methods_with_every_task():

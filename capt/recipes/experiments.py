@@ -247,13 +247,13 @@ def sweep(
     tasks = list(dict.fromkeys(c.task for c in configs))
     reference_rows = [reference_results(c) for c in {c.task: c for c in configs}.values()] if references else []
     table = sweep_table(cells, [row for rows in reference_rows for row in rows], tasks)
-    missing = [
+    progress = [
         cell_progress(root / c.task / c.method, grid, seeds, extend)
         for c, grid, path in zip(configs, grids, done, strict=True)
         if not path.exists()
     ]
-    if missing:
-        table += f"\nNot finished yet: {'; '.join(missing)}.\n"
+    if progress:
+        table += f"\nNot finished yet: {'; '.join(map(str, progress))}.\n\n{work_left(progress, root)}\n"
     atomic_write_text(root / f"{SWEEP_NAME}.md", table)
     summaries = [{k: v for k, v in r.items() if k != "runs"} for r in cells]
     output = {"cells": summaries, "references": reference_rows}
@@ -332,7 +332,30 @@ def next_rate_beyond_edge(validation: dict[float, float]) -> float | None:
     return rates[0] * rates[0] / rates[1]
 
 
-def cell_progress(cell: Path, grid: list[float], seeds: int, extend: int = 0) -> str:
+@dataclasses.dataclass(frozen=True)
+class CellProgress:
+    """How far an unfinished sweep cell got (`cell_progress`); str() is its line in sweep.md."""
+
+    cell: str  # task/method
+    grid_done: int
+    grid_size: int
+    beyond: int  # finished runs at rates beyond the grid's ends (--extend-grid)
+    seeds_done: int
+    more_seeds: int  # the seeds after the grid's seed 0
+    left: int  # runs still to train, grid points and seeds
+    maybe: int  # extensions still possible: runs only if a best rate sits alone at an end of the grid
+    minutes: tuple[float, ...]  # the wall time of each finished run
+
+    def __str__(self) -> str:
+        extensions = f" and {self.beyond} beyond it" if self.beyond else ""
+        seeds = f", {self.seeds_done} of {self.more_seeds} more seeds" if self.more_seeds else ""
+        maybe = f" + up to {self.maybe} beyond the grid" if self.maybe else ""
+        pace = f", {statistics.fmean(self.minutes):.0f} min per run so far" if self.minutes else ""
+        left = f"{self.left} run{'s' if self.left != 1 else ''} left"
+        return f"{self.cell}: {self.grid_done} of {self.grid_size} grid points{extensions}{seeds} ({left}{maybe}{pace})"
+
+
+def cell_progress(cell: Path, grid: list[float], seeds: int, extend: int = 0) -> CellProgress:
     """Where an unfinished sweep cell stands, for a study that spans sessions: its finished grid points (and those
     trained beyond the grid's ends), seeds, the runs left, and the mean wall time of its finished runs (what each
     run left will take, roughly). `extend` is the sweep's `--extend-grid`: extensions not yet trained are named as
@@ -341,22 +364,57 @@ def cell_progress(cell: Path, grid: list[float], seeds: int, extend: int = 0) ->
     A finished seed folder counts as done here; the sweep retrains it if the completed grid chooses another rate.
 
     Example:
-        >>> cell_progress(Path("results/smollm2-study-bf16/cb/lora"), [1.66667e-4, 5e-4, 1.5e-3], 3)
+        >>> str(cell_progress(Path("results/smollm2-study-bf16/cb/lora"), [1.66667e-4, 5e-4, 1.5e-3], 3))
         'cb/lora: 2 of 3 grid points, 0 of 2 more seeds (3 runs left, 30 min per run so far)'
     """
     grid_runs = [cell / "grid" / f"lr-{lr:g}" / RESULTS_NAME for lr in grid]
     beyond = sorted(set((cell / "grid").glob(f"lr-*/{RESULTS_NAME}")) - set(grid_runs))
     seed_runs = [cell / f"seed-{seed}" / RESULTS_NAME for seed in range(1, seeds)]
     finished = [path for path in grid_runs + seed_runs if path.exists()] + beyond
-    grid_done, seeds_done = sum(p.exists() for p in grid_runs), sum(p.exists() for p in seed_runs)
-    left = sum(not p.exists() for p in grid_runs + seed_runs)
-    minutes = [json.loads(path.read_text())["wall_time_s"] / 60 for path in finished]
-    pace = f", {statistics.fmean(minutes):.0f} min per run so far" if minutes else ""
-    extensions = f" and {len(beyond)} beyond it" if beyond else ""
-    maybe = f" + up to {extend - len(beyond)} beyond the grid" if extend > len(beyond) else ""
-    more_seeds = f", {seeds_done} of {len(seed_runs)} more seeds" if seed_runs else ""
-    where = f"{cell.parent.name}/{cell.name}: {grid_done} of {len(grid_runs)} grid points{extensions}{more_seeds}"
-    return f"{where} ({left} run{'s' if left != 1 else ''} left{maybe}{pace})"
+    return CellProgress(
+        cell=f"{cell.parent.name}/{cell.name}",
+        grid_done=sum(p.exists() for p in grid_runs),
+        grid_size=len(grid_runs),
+        beyond=len(beyond),
+        seeds_done=sum(p.exists() for p in seed_runs),
+        more_seeds=len(seed_runs),
+        left=sum(not p.exists() for p in grid_runs + seed_runs),
+        maybe=max(extend - len(beyond), 0),
+        minutes=tuple(json.loads(path.read_text())["wall_time_s"] / 60 for path in finished),
+    )
+
+
+def work_left(progress: list[CellProgress], root: Path) -> str:
+    """One line for sweep.md: the runs the unfinished cells still need, and what they would take at each task's
+    mean run time so far (over every finished run of the task under `root`, any method), so that a study spread
+    over sessions can size the next one. Tasks with no finished run yet are named, not guessed.
+
+    Example:
+        >>> work_left([cell_progress(Path("results/smollm2-study-bf16/cb/lora"), [1.66667e-4, 5e-4, 1.5e-3], 3)],
+        ...           Path("results/smollm2-study-bf16"))
+        'Left in all: 3 runs; about 1.0 run-hours at each task's mean run time so far (cb 21 min).'
+    """
+    by_task: dict[str, list[CellProgress]] = {}
+    for cell in progress:
+        by_task.setdefault(cell.cell.split("/")[0], []).append(cell)
+    pace, hours, unpaced = {}, 0.0, []
+    for task, cells in by_task.items():
+        runs = [*root.glob(f"{task}/*/grid/*/{RESULTS_NAME}"), *root.glob(f"{task}/*/seed-*/{RESULTS_NAME}")]
+        if not runs:
+            unpaced.append(task)
+            continue
+        pace[task] = statistics.fmean(json.loads(path.read_text())["wall_time_s"] / 60 for path in runs)
+        hours += pace[task] * sum(c.left for c in cells) / 60
+    left, maybe = sum(c.left for c in progress), sum(c.maybe for c in progress)
+    line = f"Left in all: {left} run{'s' if left != 1 else ''}" + (
+        f" (+ up to {maybe} beyond the grids)" if maybe else ""
+    )
+    if pace:
+        paces = ", ".join(f"{task} {minutes:.0f} min" for task, minutes in pace.items())
+        line += f"; about {hours:.1f} run-hours at each task's mean run time so far ({paces})"
+    if unpaced:
+        line += f"; no finished run yet on {', '.join(unpaced)}"
+    return line + "."
 
 
 def _stored_rate(folder: Path, lr: float) -> float:
