@@ -5,8 +5,10 @@
     capt eval --adapter runs/rte-capt --task rte
     capt compare --tasks cb,copa,rte,wic --methods capt,deep-prompt,prompt,lora --seeds 3
     capt sweep --tasks cb --methods capt,lora --lr-grid "capt=3e-3,1e-2,3e-2;lora=1e-4,5e-4,1e-3" --seeds 3
+    capt sweep --config configs/smollm2-study.yaml --seeds 3 --extend-grid 1   # the whole study: the file's plan
 
-Settings come from RunConfig's defaults, then the YAML file given by --config, then the flags.
+Settings come from RunConfig's defaults, then the YAML file given by --config (and its per_method and per_task
+sections for each run), then the flags.
 """
 
 from __future__ import annotations
