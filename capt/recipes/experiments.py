@@ -517,7 +517,7 @@ def _average_rows(cells: list[dict[str, Any]], tasks: list[str]) -> list[str]:
 
 def versus_capt(cell: dict[str, Any], capt: dict[str, Any]) -> str:
     """A sweep cell's mean test score minus CaPT's on the same task, in points, with the two-sided p of Welch's
-    t-test over their seeds (from the means and sample standard deviations): "+8.6 (p 0.22)". With 3 seeds a side,
+    t-test over their seeds (from the means and sample standard deviations): "+8.6 (p 0.21)". With 3 seeds a side,
     a gap needs p < 0.05 to stand out of the seed noise; no p where a side has fewer than 2 seeds or neither varies.
 
     Example:
