@@ -307,9 +307,10 @@ def test_sweep_finished_only_tabulates_what_exists_and_trains_nothing(tmp_path, 
     untouched = "{}: 0 of 3 grid points, 0 of 2 more seeds (5 runs left)"
     expected = "; ".join([lora, *(untouched.format(f"copa/{m}") for m in ("capt", "deep-prompt", "lora"))])
     assert f"Not finished yet: {expected}." in table
-    cb_pace = sum(lora_minutes) / 2  # CB's only finished runs are LoRA's two (the other cells are summaries)
-    left = f"Left in all: 18 runs; about {cb_pace * 3 / 60:.1f} run-hours at each task's mean run time so far "
-    assert f"{left}(cb {cb_pace:.0f} min); no finished run yet on copa.\n" in table
+    cb_hours = sum(lora_minutes) / 2 * 3 / 60  # LoRA's 3 runs left at its own pace; COPA has no run to price
+    priced = f"about {cb_hours:.1f} run-hours (cb {cb_hours:.1f}): a cell's own mean run time so far, or before its"
+    unpriced = "first run its task's pace times its method's; no finished run yet on copa."
+    assert f"Left in all: 18 runs; {priced} {unpriced}\n" in table
     assert "| average |" not in table  # no method has both tasks
     assert not (tmp_path / "study" / "cb" / "lora" / "results.json").exists()  # nor summarises an unfinished cell
 
@@ -337,23 +338,41 @@ def test_cell_progress_counts_runs_beyond_the_grid_and_names_the_extensions_stil
     assert str(progress).endswith("1 of 2 more seeds (1 run left, 25 min per run so far)")
 
 
-def test_work_left_prices_the_runs_left_at_each_task_pace_and_names_tasks_without_one(tmp_path):
+def test_work_left_prices_a_cell_at_its_own_pace_or_its_task_times_its_method_and_names_tasks_without_one(tmp_path):
     from capt.recipes.experiments import cell_progress, work_left
 
-    for run, minutes in [("cb/capt/grid/lr-0.01", 10), ("cb/capt/seed-1", 20), ("cb/lora/grid/lr-0.001", 30)]:
+    finished = [("cb/capt/grid/lr-0.01", 10), ("cb/capt/seed-1", 20), ("cb/lora/grid/lr-0.001", 30)]
+    for run, minutes in [*finished, ("copa/capt/grid/lr-0.01", 5)]:
         (tmp_path / run).mkdir(parents=True)
         (tmp_path / run / "results.json").write_text(json.dumps({"wall_time_s": 60 * minutes}))
     (tmp_path / "cb" / "lora" / "seed-1").mkdir()  # started, not finished: not part of the pace
     progress = [
         cell_progress(tmp_path / "cb" / "lora", [0.0003, 0.001, 0.003], 3, extend=1),  # 4 left + up to 1
-        cell_progress(tmp_path / "copa" / "capt", [0.01], 2, extend=1),  # 2 left + up to 1, and no pace on copa
+        cell_progress(tmp_path / "copa" / "lora", [0.0003, 0.001, 0.003], 3),  # 5 left, no run of its own
+        cell_progress(tmp_path / "rte" / "capt", [0.01], 2, extend=1),  # 2 left + up to 1, and no run on rte
     ]
-    assert [(p.left, p.maybe) for p in progress] == [(4, 1), (2, 1)]
-    # CB's pace is the mean of all its finished runs, any method: (10 + 20 + 30) / 3 = 20 min; 4 runs = 1.3 h.
+    assert [(p.left, p.maybe) for p in progress] == [(4, 1), (5, 0), (2, 1)]
+    # cb/lora at its own 30 min: 4 runs = 2.0 h. copa/lora has none: LoRA ran 2x CaPT's mean (30 vs 15 min) on CB,
+    # so at 2 x COPA's CaPT pace (5 min) = 10 min: 5 runs = 0.8 h (a task-wide mean would say 5 min).
     assert work_left(progress, tmp_path) == (
-        "Left in all: 6 runs (+ up to 2 beyond the grids); about 1.3 run-hours at each task's mean run time so far "
-        "(cb 20 min); no finished run yet on copa."
+        "Left in all: 11 runs (+ up to 2 beyond the grids); about 2.8 run-hours (cb 2.0, copa 0.8): a cell's own "
+        "mean run time so far, or before its first run its task's pace times its method's; no finished run yet on "
+        "rte."
     )
+
+
+def test_run_minutes_model_fits_task_and_method_factors_that_multiply():
+    from capt.recipes.experiments import run_minutes_model
+
+    task_minutes, method_factor = {"cb": 12.0, "copa": 3.0, "rte": 20.0}, {"capt": 1.0, "prompt": 1.5, "lora": 2.5}
+    truth = {(t, m): task_minutes[t] * method_factor[m] for t in task_minutes for m in method_factor}
+    held_out = [("rte", "prompt"), ("rte", "lora"), ("copa", "lora")]
+    minutes = run_minutes_model({cell: v for cell, v in truth.items() if cell not in held_out})
+    for cell in truth:
+        assert minutes(*cell) == pytest.approx(truth[cell], rel=1e-6)
+    assert minutes("wic", "capt") is None
+    # A method never run is priced at the average method: the geometric mean of the method factors.
+    assert minutes("cb", "vfpt") == pytest.approx(12.0 * (1.0 * 1.5 * 2.5) ** (1 / 3), rel=1e-6)
 
 
 def test_sweep_table_gives_parameters_and_the_average_of_methods_with_every_task():

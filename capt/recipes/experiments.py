@@ -13,6 +13,7 @@ import json
 import math
 import statistics
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -336,7 +337,8 @@ def next_rate_beyond_edge(validation: dict[float, float]) -> float | None:
 class CellProgress:
     """How far an unfinished sweep cell got (`cell_progress`); str() is its line in sweep.md."""
 
-    cell: str  # task/method
+    task: str
+    method: str
     grid_done: int
     grid_size: int
     beyond: int  # finished runs at rates beyond the grid's ends (--extend-grid)
@@ -352,7 +354,8 @@ class CellProgress:
         maybe = f" + up to {self.maybe} beyond the grid" if self.maybe else ""
         pace = f", {statistics.fmean(self.minutes):.0f} min per run so far" if self.minutes else ""
         left = f"{self.left} run{'s' if self.left != 1 else ''} left"
-        return f"{self.cell}: {self.grid_done} of {self.grid_size} grid points{extensions}{seeds} ({left}{maybe}{pace})"
+        grid = f"{self.grid_done} of {self.grid_size} grid points{extensions}{seeds}"
+        return f"{self.task}/{self.method}: {grid} ({left}{maybe}{pace})"
 
 
 def cell_progress(cell: Path, grid: list[float], seeds: int, extend: int = 0) -> CellProgress:
@@ -372,7 +375,8 @@ def cell_progress(cell: Path, grid: list[float], seeds: int, extend: int = 0) ->
     seed_runs = [cell / f"seed-{seed}" / RESULTS_NAME for seed in range(1, seeds)]
     finished = [path for path in grid_runs + seed_runs if path.exists()] + beyond
     return CellProgress(
-        cell=f"{cell.parent.name}/{cell.name}",
+        task=cell.parent.name,
+        method=cell.name,
         grid_done=sum(p.exists() for p in grid_runs),
         grid_size=len(grid_runs),
         beyond=len(beyond),
@@ -385,36 +389,73 @@ def cell_progress(cell: Path, grid: list[float], seeds: int, extend: int = 0) ->
 
 
 def work_left(progress: list[CellProgress], root: Path) -> str:
-    """One line for sweep.md: the runs the unfinished cells still need, and what they would take at each task's
-    mean run time so far (over every finished run of the task under `root`, any method), so that a study spread
-    over sessions can size the next one. Tasks with no finished run yet are named, not guessed.
+    """One line for sweep.md: the runs the unfinished cells still need, and about how long they would take, so
+    that a study spread over sessions can size the next one. A cell with finished runs is priced at their mean;
+    one without, at its task's pace times its method's (`run_minutes_model`, fitted to every finished run under
+    `root`): Deep Prompt-Tuning's first RTE run is priced from how it ran on CB and COPA, not at RTE's mean over
+    cheaper methods. Tasks with no finished run yet are named, not guessed.
 
     Example:
-        >>> work_left([cell_progress(Path("results/smollm2-study-bf16/cb/lora"), [1.66667e-4, 5e-4, 1.5e-3], 3)],
-        ...           Path("results/smollm2-study-bf16"))
-        'Left in all: 3 runs; about 1.0 run-hours at each task's mean run time so far (cb 21 min).'
+        >>> lora = cell_progress(Path("results/smollm2-study-bf16/cb/lora"), [1.66667e-4, 5e-4, 1.5e-3], 3)
+        >>> print(work_left([lora], Path("results/smollm2-study-bf16")))  # doctest: +NORMALIZE_WHITESPACE
+        Left in all: 3 runs; about 1.5 run-hours (cb 1.5): a cell's own mean run time so far, or before its first
+        run its task's pace times its method's.
     """
-    by_task: dict[str, list[CellProgress]] = {}
+    runs: dict[tuple[str, str], list[float]] = {}
+    for path in [*root.glob(f"*/*/grid/*/{RESULTS_NAME}"), *root.glob(f"*/*/seed-*/{RESULTS_NAME}")]:
+        task, method = path.relative_to(root).parts[:2]
+        runs.setdefault((task, method), []).append(json.loads(path.read_text())["wall_time_s"] / 60)
+    minutes_of = run_minutes_model({cell: statistics.fmean(minutes) for cell, minutes in runs.items()})
+    hours: dict[str, float] = {}
+    unpaced: list[str] = []
     for cell in progress:
-        by_task.setdefault(cell.cell.split("/")[0], []).append(cell)
-    pace, hours, unpaced = {}, 0.0, []
-    for task, cells in by_task.items():
-        runs = [*root.glob(f"{task}/*/grid/*/{RESULTS_NAME}"), *root.glob(f"{task}/*/seed-*/{RESULTS_NAME}")]
-        if not runs:
-            unpaced.append(task)
-            continue
-        pace[task] = statistics.fmean(json.loads(path.read_text())["wall_time_s"] / 60 for path in runs)
-        hours += pace[task] * sum(c.left for c in cells) / 60
+        minutes = statistics.fmean(cell.minutes) if cell.minutes else minutes_of(cell.task, cell.method)
+        if minutes is None:
+            unpaced += [cell.task] if cell.task not in unpaced else []
+        else:
+            hours[cell.task] = hours.get(cell.task, 0.0) + minutes * cell.left / 60
     left, maybe = sum(c.left for c in progress), sum(c.maybe for c in progress)
     line = f"Left in all: {left} run{'s' if left != 1 else ''}" + (
         f" (+ up to {maybe} beyond the grids)" if maybe else ""
     )
-    if pace:
-        paces = ", ".join(f"{task} {minutes:.0f} min" for task, minutes in pace.items())
-        line += f"; about {hours:.1f} run-hours at each task's mean run time so far ({paces})"
+    if hours:
+        by_task = ", ".join(f"{task} {h:.1f}" for task, h in hours.items())
+        line += (
+            f"; about {sum(hours.values()):.1f} run-hours ({by_task}): a cell's own mean run time so far, or before "
+            "its first run its task's pace times its method's"
+        )
     if unpaced:
         line += f"; no finished run yet on {', '.join(unpaced)}"
     return line + "."
+
+
+def run_minutes_model(cell_minutes: dict[tuple[str, str], float]) -> Callable[[str, str], float | None]:
+    """Fit log(minutes) = task term + method term to the mean run time of each (task, method) cell that has runs,
+    and return a predictor for any cell: a task's length and a method's cost per step multiply. The fit is
+    alternating means over the observed cells (least squares on the log scale). A method never run is priced at
+    the average method; a task never run has no price (None).
+
+    Example:
+        >>> minutes = run_minutes_model({("cb", "capt"): 10.0, ("cb", "lora"): 30.0, ("copa", "capt"): 5.0})
+        >>> round(minutes("copa", "lora"), 6), minutes("rte", "capt")
+        (15.0, None)
+    """
+    logs = {cell: math.log(minutes) for cell, minutes in cell_minutes.items()}
+    task_term = {task: 0.0 for task, _ in logs}
+    method_term = {method: 0.0 for _, method in logs}
+    for _ in range(100):  # converges in a handful of rounds on a study's few dozen cells
+        for task in task_term:
+            task_term[task] = statistics.fmean(v - method_term[m] for (t, m), v in logs.items() if t == task)
+        for method in method_term:
+            method_term[method] = statistics.fmean(v - task_term[t] for (t, m), v in logs.items() if m == method)
+    average_method = statistics.fmean(method_term.values()) if method_term else 0.0
+
+    def minutes(task: str, method: str) -> float | None:
+        if task not in task_term:
+            return None
+        return math.exp(task_term[task] + method_term.get(method, average_method))
+
+    return minutes
 
 
 def _stored_rate(folder: Path, lr: float) -> float:
