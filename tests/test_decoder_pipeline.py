@@ -319,9 +319,19 @@ def test_cell_progress_counts_runs_beyond_the_grid_and_names_the_extensions_stil
     from capt.recipes.experiments import cell_progress
 
     cell = tmp_path / "cb" / "capt"
-    for folder, minutes in [("grid/lr-0.01", 10), ("grid/lr-0.03", 20), ("grid/lr-0.09", 30), ("grid/lr-0.27", 40)]:
-        (cell / folder).mkdir(parents=True)
-        (cell / folder / "results.json").write_text(json.dumps({"wall_time_s": 60 * minutes}))
+
+    def finish(folder: str, minutes: int, validation: float) -> None:
+        (cell / folder).mkdir(parents=True, exist_ok=True)
+        record = {"wall_time_s": 60 * minutes, "runs": [{"best_validation_score": validation}]}
+        (cell / folder / "results.json").write_text(json.dumps(record))
+
+    for folder, minutes, validation in [
+        ("grid/lr-0.01", 10, 0.5),
+        ("grid/lr-0.03", 20, 0.6),
+        ("grid/lr-0.09", 30, 0.7),
+        ("grid/lr-0.27", 40, 0.8),  # best alone at the upper end: a second extension may follow
+    ]:
+        finish(folder, minutes, validation)
     (cell / "grid" / "lr-0.81").mkdir()  # started, not finished: neither done nor counted
     grid = [0.01, 0.03, 0.09]
     extended = "cb/capt: 3 of 3 grid points and 1 beyond it, 0 of 2 more seeds"
@@ -330,10 +340,11 @@ def test_cell_progress_counts_runs_beyond_the_grid_and_names_the_extensions_stil
         == f"{extended} (2 runs left + up to 1 beyond the grid, 25 min per run so far)"
     )
     assert str(cell_progress(cell, grid, 3, extend=1)) == f"{extended} (2 runs left, 25 min per run so far)"
+    finish("grid/lr-0.27", 40, 0.65)  # now the best (0.09) lies inside the rates tried: no extension can follow
+    assert str(cell_progress(cell, grid, 3, extend=2)) == f"{extended} (2 runs left, 25 min per run so far)"
     fresh = cell_progress(tmp_path / "cb" / "lora", grid, 3, extend=1)
     assert str(fresh) == "cb/lora: 0 of 3 grid points, 0 of 2 more seeds (5 runs left + up to 1 beyond the grid)"
-    (cell / "seed-1").mkdir()
-    (cell / "seed-1" / "results.json").write_text(json.dumps({"wall_time_s": 60 * 25}))
+    finish("seed-1", 25, 0.7)
     progress = cell_progress(cell, grid, 3, extend=1)
     assert str(progress).endswith("1 of 2 more seeds (1 run left, 25 min per run so far)")
 

@@ -362,7 +362,8 @@ def cell_progress(cell: Path, grid: list[float], seeds: int, extend: int = 0) ->
     """Where an unfinished sweep cell stands, for a study that spans sessions: its finished grid points (and those
     trained beyond the grid's ends), seeds, the runs left, and the mean wall time of its finished runs (what each
     run left will take, roughly). `extend` is the sweep's `--extend-grid`: extensions not yet trained are named as
-    "up to" runs, since they follow only a best rate alone at an end of the grid.
+    "up to" runs, since they follow only a best rate alone at an end of the grid; once every rate tried so far has
+    finished, the sweep's own rule (`next_rate_beyond_edge`) says whether one can still follow.
 
     A finished seed folder counts as done here; the sweep retrains it if the completed grid chooses another rate.
 
@@ -374,6 +375,15 @@ def cell_progress(cell: Path, grid: list[float], seeds: int, extend: int = 0) ->
     beyond = sorted(set((cell / "grid").glob(f"lr-*/{RESULTS_NAME}")) - set(grid_runs))
     seed_runs = [cell / f"seed-{seed}" / RESULTS_NAME for seed in range(1, seeds)]
     finished = [path for path in grid_runs + seed_runs if path.exists()] + beyond
+    results = {path: json.loads(path.read_text()) for path in finished}
+    maybe = max(extend - len(beyond), 0)
+    if maybe and all(path in results for path in grid_runs):
+        # Folder names hold the rate to 6 significant digits: enough to order the rates and find the best.
+        validation = {
+            float(path.parent.name.removeprefix("lr-")): results[path]["runs"][0]["best_validation_score"]
+            for path in grid_runs + beyond
+        }
+        maybe = maybe if next_rate_beyond_edge(validation) is not None else 0
     return CellProgress(
         task=cell.parent.name,
         method=cell.name,
@@ -383,8 +393,8 @@ def cell_progress(cell: Path, grid: list[float], seeds: int, extend: int = 0) ->
         seeds_done=sum(p.exists() for p in seed_runs),
         more_seeds=len(seed_runs),
         left=sum(not p.exists() for p in grid_runs + seed_runs),
-        maybe=max(extend - len(beyond), 0),
-        minutes=tuple(json.loads(path.read_text())["wall_time_s"] / 60 for path in finished),
+        maybe=maybe,
+        minutes=tuple(results[path]["wall_time_s"] / 60 for path in finished),
     )
 
 
