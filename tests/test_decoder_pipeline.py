@@ -142,6 +142,7 @@ def test_training_loss_and_gradients_equal_the_models_own_loss(method):
 
 def test_sweep_picks_the_rate_by_validation_trains_the_seeds_and_resumes(tmp_path, monkeypatch, capsys):
     from capt.recipes.cli import main
+    from capt.recipes.experiments import grid_point_name
 
     monkeypatch.setenv("HOME", str(tmp_path))  # the tokenisation cache
     out = tmp_path / "sweep"
@@ -154,7 +155,7 @@ def test_sweep_picks_the_rate_by_validation_trains_the_seeds_and_resumes(tmp_pat
     assert set(grid) == {1e-3, 3e-1}
     assert cell["chosen_lr"] == max(grid, key=grid.get)  # by validation; ties keep the first rate
     assert cell["seeds"] == [0, 1] and cell["runs"][1]["seed"] == 1
-    chosen = out / "cb" / "capt" / "grid" / f"lr-{cell['chosen_lr']:g}" / "results.json"
+    chosen = out / "cb" / "capt" / "grid" / grid_point_name(cell["chosen_lr"]) / "results.json"
     assert [cell["runs"][0]] == json.loads(chosen.read_text())["runs"]  # seed 0 is the grid run, not retrained
     table = (out / "sweep.md").read_text()
     assert "| cb | capt |" in table and "| cb | zero-shot |" in table and "| cb | majority |" in table
@@ -276,6 +277,15 @@ def test_the_rate_beyond_the_grid_follows_its_outer_ratio_and_only_a_lone_winner
     assert next_rate_beyond_edge({0.01: 0.5, 0.03: 0.7, 0.1: 0.6}) is None  # inside
     assert next_rate_beyond_edge({0.01: 0.7, 0.03: 0.7, 0.1: 0.6}) is None  # the end ties with another rate
     assert next_rate_beyond_edge({0.01: 0.7}) is None  # one rate: no ratio
+
+
+def test_a_grid_point_folder_names_its_rate_to_six_significant_digits_and_reads_back():
+    from capt.recipes.experiments import grid_point_name, grid_point_rate
+
+    assert grid_point_name(0.01 / 3) == "lr-0.00333333"  # the committed study's folder names
+    assert grid_point_name(3e-4) == "lr-0.0003" and grid_point_name(1e-5) == "lr-1e-05"
+    assert grid_point_rate("lr-0.00333333") == 0.00333333 and grid_point_rate("lr-1e-05") == 1e-5
+    assert grid_point_name(grid_point_rate(grid_point_name(0.01 / 3))) == grid_point_name(0.01 / 3)
 
 
 def test_sweep_finished_only_tabulates_what_exists_and_trains_nothing(tmp_path, monkeypatch):

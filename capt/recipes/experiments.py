@@ -293,9 +293,24 @@ def _sweep_cell(
     return summary
 
 
+def grid_point_name(lr: float) -> str:
+    """The folder name of a sweep cell's grid point at `lr` (under cell/grid/): the rate to 6 significant digits.
+
+    Example:
+        >>> grid_point_name(0.01 / 3), grid_point_rate(grid_point_name(0.01 / 3))
+        ('lr-0.00333333', 0.00333333)
+    """
+    return f"lr-{lr:g}"
+
+
+def grid_point_rate(name: str) -> float:
+    """The rate a grid point's folder name holds (`grid_point_name`), rounded as the name is."""
+    return float(name.removeprefix("lr-"))
+
+
 def _grid_point(config: RunConfig, cell: Path, lr: float, overwrite: bool) -> dict[str, Any]:
-    """One grid point of a sweep cell (seed 0 at `lr`, in cell/grid/lr-<lr>), read back or trained."""
-    folder = cell / "grid" / f"lr-{lr:g}"
+    """One grid point of a sweep cell (seed 0 at `lr`, in cell/grid/`grid_point_name(lr)`), read back or trained."""
+    folder = cell / "grid" / grid_point_name(lr)
     point = dataclasses.replace(config, lr=_stored_rate(folder, lr), seed=0, output_dir=str(folder))
     result = _finished_or_trained(point, 1, overwrite)["runs"][0]  # the seed's own record
     epochs, seconds = best_epoch_and_time(folder)
@@ -371,8 +386,8 @@ def cell_progress(cell: Path, grid: list[float], seeds: int, extend: int = 0) ->
         >>> str(cell_progress(Path("results/smollm2-study-bf16/cb/lora"), [1.66667e-4, 5e-4, 1.5e-3], 3))
         'cb/lora: 2 of 3 grid points, 0 of 2 more seeds (3 runs left, 30 min per run so far)'
     """
-    grid_runs = [cell / "grid" / f"lr-{lr:g}" / RESULTS_NAME for lr in grid]
-    beyond = sorted(set((cell / "grid").glob(f"lr-*/{RESULTS_NAME}")) - set(grid_runs))
+    grid_runs = [cell / "grid" / grid_point_name(lr) / RESULTS_NAME for lr in grid]
+    beyond = sorted(set((cell / "grid").glob(f"*/{RESULTS_NAME}")) - set(grid_runs))
     seed_runs = [cell / f"seed-{seed}" / RESULTS_NAME for seed in range(1, seeds)]
     finished = [path for path in grid_runs + seed_runs if path.exists()] + beyond
     results = {path: json.loads(path.read_text()) for path in finished}
@@ -380,7 +395,7 @@ def cell_progress(cell: Path, grid: list[float], seeds: int, extend: int = 0) ->
     if maybe and all(path in results for path in grid_runs):
         # Folder names hold the rate to 6 significant digits: enough to order the rates and find the best.
         validation = {
-            float(path.parent.name.removeprefix("lr-")): results[path]["runs"][0]["best_validation_score"]
+            grid_point_rate(path.parent.name): results[path]["runs"][0]["best_validation_score"]
             for path in grid_runs + beyond
         }
         maybe = maybe if next_rate_beyond_edge(validation) is not None else 0
@@ -474,7 +489,7 @@ def _stored_rate(folder: Path, lr: float) -> float:
     if not (folder / RUN_CONFIG_NAME).is_file():
         return lr
     stored = read_run_config(folder).lr
-    return stored if f"{stored:g}" == f"{lr:g}" else lr
+    return stored if grid_point_name(stored) == grid_point_name(lr) else lr
 
 
 def reference_results(config: RunConfig) -> list[dict[str, Any]]:
