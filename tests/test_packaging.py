@@ -108,3 +108,18 @@ def test_the_wheel_installs_into_a_fresh_venv_and_runs_outside_the_checkout(tmp_
     )
     assert (work / "run" / "results.json").is_file()
     assert not (work / "benchmarks").exists()
+
+
+def test_the_long_description_has_no_relative_links():
+    """README.md is the package's long description: on an index page a relative link is dead."""
+    from markdown_it import MarkdownIt
+
+    def targets(tokens):
+        for token in tokens:
+            if token.type in ("link_open", "image"):
+                yield token.attrGet("href") or token.attrGet("src")
+            yield from targets(token.children or [])
+
+    found = list(targets(MarkdownIt("commonmark").parse((REPO / "README.md").read_text())))
+    relative = [t for t in found if not t.startswith(("https://", "http://", "mailto:"))]
+    assert relative == []
