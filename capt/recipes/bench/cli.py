@@ -66,7 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="clock of the reported times and ratios (default cpu: process CPU time, for one thread)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
+    parser.add_argument(
+        "--output-dir",
+        "--out",
+        dest="out",
+        type=Path,
+        default=Path("runs/bench"),
+        help="folder of the outputs (default %(default)s; the committed runs are in benchmarks/results)",
+    )
     parser.add_argument("--name", default="bench", help="file stem of the outputs (default %(default)s)")
     return parser
 
