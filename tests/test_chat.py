@@ -273,3 +273,27 @@ def test_bad_settings_are_refused(tiny):
 def test_exact_match_and_token_f1_on_known_strings(prediction, reference, em, f1):
     assert exact_match(prediction, reference) == em
     assert token_f1(prediction, reference) == pytest.approx(f1)
+
+
+def test_the_feature_cache_follows_the_chat_template_and_turn_setting(tmp_path):
+    from capt.recipes.evaluate import encode_cached
+    from capt.recipes.run import RunConfig
+
+    tokenizer = load_backbone("tiny-llama").tokenizer
+    tokenizer.chat_template = TEMPLATE
+    config, rows = RunConfig(cache_dir=str(tmp_path)), [example({"messages": CONVERSATION})]
+    last = encode_cached(ChatFormat("chat", tokenizer, 64), rows, config)
+    every = encode_cached(ChatFormat("chat", tokenizer, 64, assistant_turns="all"), rows, config)
+    assert last != every
+    tokenizer.chat_template = TEMPLATE.replace(":", " >")
+    renamed = encode_cached(ChatFormat("chat", tokenizer, 64), rows, config)
+    assert renamed != last and renamed == [ChatFormat("chat", tokenizer, 64).encode(rows[0])]
+
+
+def test_a_template_whose_generation_prompt_does_not_start_the_answer_is_refused(tiny):
+    tokenizer = load_backbone("tiny-llama").tokenizer
+    tokenizer.chat_template = TEMPLATE.replace("assistant:{% endif %}", "bot:{% endif %}")
+    with pytest.raises(
+        ChatDataError, match=r"row 0: the chat template's generation prompt does not begin messages\[1\]"
+    ):
+        ChatFormat("chat", tokenizer, 64).encode(example(ROWS[0]))

@@ -217,11 +217,15 @@ class ChatFormat(TaskFormat):
             # The answer is what the template writes after the generation prompt: the content and its end-of-turn.
             before = render_chat(tokenize, messages[:turn], True)
             through = render_chat(tokenize, messages[: turn + 1], False)
-            if not before.startswith(written) or not through.startswith(before):
+            if not through.startswith(before):
                 raise ChatDataError(
-                    f"{where}: the chat template does not write messages[{turn}] after the text of the turns before "
-                    "it (it rewrites earlier turns), so the answer's tokens cannot be told apart; train the last "
-                    "turn only (assistant_turns='last') or give one row per answer"
+                    f"{where}: the chat template's generation prompt does not begin messages[{turn}] as the template "
+                    "writes it, so its answer cannot be told apart from its prompt"
+                )
+            if not before.startswith(written):
+                raise ChatDataError(
+                    f"{where}: the chat template writes the turns before messages[{turn}] differently once more "
+                    "follow (it rewrites earlier turns); train the last turn only (assistant_turns='last')"
                 )
             if not written:
                 context = prompt_ids(tokenize, messages[:turn])
