@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["chat"]:  # a sibling measurement with its own flags (capt bench chat --help)
+        from .chat_step import main as chat_step
+
+        return chat_step(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
