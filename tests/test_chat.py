@@ -253,6 +253,14 @@ def test_bad_rows_get_one_line_naming_the_row(tiny, fields, message):
         fmt_of(tiny).encode(example(fields, idx=3))
 
 
+def test_a_row_without_prompt_tokens_is_refused():
+    """SmolLM2 adds no BOS: an empty plain-text prompt would leave the capsule no instance token."""
+    tokenizer = AutoTokenizer.from_pretrained(model_source("smollm2"))
+    tokenizer.chat_template = None
+    with pytest.raises(ChatDataError, match="row 5: the prompt writes no token"):
+        ChatFormat("chat", tokenizer, 64).encode(example({"prompt": "", "completion": "x"}, idx=5))
+
+
 def test_bad_settings_are_refused(tiny):
     with pytest.raises(ValueError, match="assistant_turns"):
         fmt_of(tiny, assistant_turns="first")
@@ -297,3 +305,12 @@ def test_a_template_whose_generation_prompt_does_not_start_the_answer_is_refused
         ChatDataError, match=r"row 0: the chat template's generation prompt does not begin messages\[1\]"
     ):
         ChatFormat("chat", tokenizer, 64).encode(example(ROWS[0]))
+
+
+def test_the_shared_predict_loop_returns_answers_in_input_order(tiny, model):
+    """`capt.recipes.evaluate.predict` (length-sorted batches) gives a generate task its answers in row order."""
+    from capt.recipes.evaluate import predict
+
+    fmt = fmt_of(tiny, max_new_tokens=4)
+    features = [fmt.encode(example(fields, i)) for i, fields in enumerate(ROWS)]
+    assert predict(model, fmt, features, batch_size=2) == [fmt.predict(model, fmt.collate([f]))[0] for f in features]

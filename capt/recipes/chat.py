@@ -164,6 +164,8 @@ class ChatFormat(TaskFormat):
         segments, prompt, reference = self._segments(example.fields, where)
         answer_tokens = sum(len(ids) for ids, trained in segments[1:])
         room = self.max_length - answer_tokens
+        if not segments[0][0]:  # the capsule's mean needs a token (the spec: no row without instance tokens)
+            raise ChatDataError(f"{where}: the prompt writes no token; the capsule summarises the prompt")
         context = self._truncated(segments[0][0], room, where, answer_tokens)
         input_ids, labels = list(context), [-100] * len(context)
         for ids, trained in segments[1:]:
