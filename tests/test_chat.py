@@ -244,6 +244,8 @@ def test_long_prompts_are_cut_from_the_left_and_answers_never(template):
         ({"messages": [{"role": "user", "content": "hi"}]}, "row 3: messages has no assistant turn"),
         ({"messages": [{"role": "user", "content": ["a"]}]}, r"row 3: messages\[0\] \(user\) needs a string"),
         ({"messages": []}, "row 3: messages must be a non-empty list"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, r"row 3: messages\[0\] has role 'robot'; expected one"),
+        ({"messages": ["hi"]}, r"row 3: messages\[0\] has role None"),
         ({"prompt": "a", "completion": ""}, "row 3: completion is empty"),
         ({"text": "a"}, "row 3: a generate row needs `messages`, or `prompt` and `completion`"),
     ],

@@ -46,6 +46,7 @@ from .formats import Features, TaskFormat, has_capsules, target_logprobs
 from .metrics import exact_match, token_f1
 
 ASSISTANT_TURNS = ("last", "all")
+ROLES = ("system", "user", "assistant", "tool")
 # The validation number early stopping follows. Perplexity enters as its inverse (the geometric mean probability of
 # an answer token, in (0, 1]), so that every score is better when higher.
 METRICS = ("exact_match", "token_f1", "perplexity")
@@ -89,8 +90,9 @@ def check_messages(messages: Any, where: str) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
         raise ChatDataError(f"{where}: messages must be a non-empty list of {{'role', 'content'}} objects")
     for number, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ChatDataError(f"{where}: messages[{number}] needs a string 'role'")
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            role = message.get("role") if isinstance(message, dict) else None
+            raise ChatDataError(f"{where}: messages[{number}] has role {role!r}; expected one of {', '.join(ROLES)}")
         if not isinstance(message.get("content"), str):
             raise ChatDataError(f"{where}: messages[{number}] ({message['role']}) needs a string 'content'")
     return messages
@@ -152,7 +154,7 @@ class ChatFormat(TaskFormat):
         """What besides the examples and the tokenizer's name decides `encode`'s output (the feature cache key)."""
         return {
             "assistant_turns": self.assistant_turns,
-            "chat_template": hashlib.sha256((self.tokenizer.chat_template or "").encode()).hexdigest(),
+            "chat_template": hashlib.sha256(repr(self.tokenizer.chat_template).encode()).hexdigest(),
             "code": hashlib.sha256(inspect.getsource(ChatFormat).encode()).hexdigest(),
         }
 
@@ -249,12 +251,12 @@ class ChatFormat(TaskFormat):
         a row whose answer leaves no room for a prompt token is refused."""
         if len(context) <= room:
             return context
-        lead = len(leading_special_ids(self.tokenizer))
-        lead = lead if context[:lead] == leading_special_ids(self.tokenizer) else 0
+        special = leading_special_ids(self.tokenizer)
+        lead = len(special) if context[: len(special)] == special else 0
         if room - lead < 1:
             raise ChatDataError(
-                f"{where}: the answer takes {answer_tokens} tokens, which leaves no room for the prompt within "
-                f"max_length {self.max_length}; raise --max-length or shorten the answer"
+                f"{where}: the answer takes {answer_tokens} tokens (with any turns after it), which leaves no room "
+                f"for the prompt within max_length {self.max_length}; raise --max-length or shorten the answer"
             )
         return context[:lead] + context[len(context) - (room - lead) :]
 
