@@ -244,6 +244,7 @@ def test_long_prompts_are_cut_from_the_left_and_answers_never(template):
         ({"messages": [{"role": "user", "content": "hi"}]}, "row 3: messages has no assistant turn"),
         ({"messages": [{"role": "user", "content": ["a"]}]}, r"row 3: messages\[0\] \(user\) needs a string"),
         ({"messages": []}, "row 3: messages must be a non-empty list"),
+        ({"messages": [{"role": "assistant", "content": "hi"}]}, r"row 3: messages\[0\] is an assistant turn with no"),
         ({"messages": [{"role": "robot", "content": "x"}]}, r"row 3: messages\[0\] has role 'robot'; expected one"),
         ({"messages": ["hi"]}, r"row 3: messages\[0\] has role None"),
         ({"prompt": "a", "completion": ""}, "row 3: completion is empty"),
@@ -316,3 +317,11 @@ def test_the_shared_predict_loop_returns_answers_in_input_order(tiny, model):
     fmt = fmt_of(tiny, max_new_tokens=4)
     features = [fmt.encode(example(fields, i)) for i, fields in enumerate(ROWS)]
     assert predict(model, fmt, features, batch_size=2) == [fmt.predict(model, fmt.collate([f]))[0] for f in features]
+
+
+def test_all_turns_leaves_an_opening_assistant_greeting_as_context(tiny):
+    greeting = [{"role": "assistant", "content": "welcome"}, *CONVERSATION[1:]]
+    row = fmt_of(tiny, assistant_turns="all").encode(example({"messages": greeting}))
+    trained = tiny.tokenizer.decode([t for t in row["labels"] if t != -100])
+    assert "welcome" not in trained and "hello you" in trained and "paris" in trained
+    assert "welcome" in tiny.tokenizer.decode(row["input_ids"][: row["instance_length"]])

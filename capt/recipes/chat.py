@@ -8,8 +8,8 @@ token before the first trained answer token, exactly what `generate` (and `capt 
 - `messages`: by default the LAST assistant turn is trained; everything before it is the prompt, as when the model
   is asked for that turn. With `assistant_turns="all"` every assistant turn is trained in one pass; the instance is
   then the prompt of the FIRST answer (the capsule is computed once per row and may not see any answer), so later
-  turns are trained with a capsule of less context than they get at inference. Messages after the last trained turn
-  train nothing and are dropped.
+  turns are trained with a capsule of less context than they get at inference; an opening assistant turn (with no
+  prompt before it) is context. Messages after the last trained turn train nothing and are dropped.
 - `prompt`/`completion`: with a chat template, a user turn and an assistant turn. Without one, plain text as TRL
   writes non-conversational rows: the tokenizer's own leading special tokens (a BOS only where it adds one), the
   prompt, then the completion and an end-of-text token.
@@ -155,7 +155,7 @@ class ChatFormat(TaskFormat):
         return {
             "assistant_turns": self.assistant_turns,
             "chat_template": hashlib.sha256(repr(self.tokenizer.chat_template).encode()).hexdigest(),
-            "code": hashlib.sha256(inspect.getsource(ChatFormat).encode()).hexdigest(),
+            "code": hashlib.sha256(inspect.getsource(inspect.getmodule(ChatFormat)).encode()).hexdigest(),
         }
 
     def encode(self, example: Example) -> Features:
@@ -213,10 +213,13 @@ class ChatFormat(TaskFormat):
         assistant = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
         if not assistant:
             raise ChatDataError(f"{where}: messages has no assistant turn to train on")
-        trained = assistant if self.assistant_turns == "all" else assistant[-1:]
+        # An opening assistant turn (a greeting) has no prompt to summarise: "all" trains the turns after it.
+        trained = [i for i in assistant if i > 0] if self.assistant_turns == "all" else assistant[-1:]
         tokenize = self.tokenizer
         segments: list[tuple[list[int], bool]] = []
         written = ""  # the rendered text the segments so far cover
+        if not trained or trained[0] == 0:
+            raise ChatDataError(f"{where}: messages[0] is an assistant turn with no prompt before it to answer")
         for turn in trained:
             # The answer is what the template writes after the generation prompt: the content and its end-of-turn.
             before = render_chat(tokenize, messages[:turn], True)
@@ -240,8 +243,6 @@ class ChatFormat(TaskFormat):
                 raise ChatDataError(f"{where}: messages[{turn}] writes no tokens to train on")
             segments += [(context, False), (answer, True)] if context or not segments else [(answer, True)]
             written = through
-        if segments[0][1]:  # a template that writes nothing before the first answer: the instance is empty
-            raise ChatDataError(f"{where}: the chat template writes no prompt before messages[{trained[0]}]")
         last = trained[-1]
         generation_prompt = None if len(trained) == 1 else prompt_ids(tokenize, messages[:last])
         return segments, generation_prompt, messages[last]["content"]
