@@ -28,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="capt bench",
         description="Training-step time and peak memory of CaPT vs. its floor and PEFT baselines, in one process "
-        "(methods interleaved, median of paired ratios), plus decoder-only generate latency.",
+        "(methods interleaved, median of paired ratios), plus decoder-only generate latency. `capt bench chat --help`: "
+        "a CaPT training step on chat data against the frozen model's forward and backward.",
     )
     parser.add_argument(
         "--backbones",
