@@ -242,3 +242,46 @@ def test_option_scores_from_one_prompt_pass_equal_one_pass_per_option(name, requ
         model.unload()
     assert len(set((inputs["labels"] != -100).sum(-1).tolist())) > 1  # options of different lengths
     torch.testing.assert_close(one_pass, per_row, atol=1e-4, rtol=0)
+
+
+def test_smollm2_chat_rows_train_and_answer_as_generate_does(capt_smollm2, smollm2):
+    """SmolLM2's own chat template (its system prompt, no BOS): the training loss is the answer's NLL with the prompt
+    as the capsule's instance, and batched cached greedy answers are those of one prompt at a time without a cache."""
+    from capt.recipes.chat import ChatFormat
+    from capt.recipes.data import Example
+
+    tokenizer = smollm2.tokenizer
+    fmt = ChatFormat("chat", tokenizer, 256, max_new_tokens=6)
+    question = {"role": "user", "content": "What is the capital of France?"}
+    rows = [
+        {"messages": [question, {"role": "assistant", "content": "Paris."}]},
+        {"prompt": "Name a colour.", "completion": "Blue."},
+        {"messages": [{"role": "system", "content": "Be brief."}, question, {"role": "assistant", "content": "Paris"}]},
+    ]
+    features = [fmt.encode(Example("chat", i, row, None)) for i, row in enumerate(rows)]
+    batch = fmt.collate(features)
+    with torch.no_grad():
+        loss = fmt.loss(capt_smollm2, batch).item()
+    total, count = 0.0, 0
+    for row in features:
+        ids = torch.tensor([row["input_ids"]])
+        instance = torch.arange(ids.shape[1])[None] < row["instance_length"]
+        with torch.no_grad():
+            logprobs = capt_smollm2(input_ids=ids, instance_mask=instance).logits[0].float().log_softmax(-1)
+        answer = [(i, t) for i, t in enumerate(row["labels"]) if t != -100]
+        total -= sum(float(logprobs[i - 1, t]) for i, t in answer)
+        count += len(answer)
+    assert loss == pytest.approx(total / count, rel=1e-4)
+
+    answers = fmt.predict(capt_smollm2, batch)
+    stops = fmt.stop_ids(capt_smollm2)
+    assert tokenizer.eos_token_id in stops  # <|im_end|> ends an assistant turn
+    for row, answer in zip(features, answers, strict=True):
+        ids = torch.tensor([row["prompt_ids"]])
+        out = capt_smollm2.generate(
+            input_ids=ids, max_new_tokens=6, do_sample=False, use_cache=False, eos_token_id=stops, pad_token_id=2
+        )
+        tokens = out[0, ids.shape[1] :].tolist()
+        tokens = tokens[: next((i for i, t in enumerate(tokens) if t in stops), len(tokens))]
+        assert answer == tokenizer.decode(tokens, skip_special_tokens=True).strip()
+    assert any(answers)

@@ -4,8 +4,9 @@ They need the `[train]` extra (`pip install "capt[train]"`); the library (`capt`
 
 Layout: `run.py` (RunConfig and run folders), `train.py` (the training recipe), `evaluate.py` (scoring and the
 tokenisation cache), `methods.py` (every method, by name), `backbones.py` (every backbone, by name), `formats.py`
-(how each family reads an example), `metrics.py`, `reporting.py`, `predict.py`, `data/`, `analysis/`, `bench/`,
-and `cli.py`, which turns flags into calls of the above.
+(how each family reads an example), `chat.py` (chat and instruction data on decoder LMs), `metrics.py`,
+`reporting.py`, `predict.py`, `data/`, `analysis/`, `bench/`, and `cli.py`, which turns flags into calls of the
+above.
 """
 
 from __future__ import annotations

@@ -52,6 +52,7 @@ def encode_cached(fmt: TaskFormat, examples: list[Example], config: RunConfig) -
             fmt.task,
             fmt.max_length,
             getattr(fmt, "generate", None),
+            fmt.cache_settings(),
             fmt.tokenizer.name_or_path,
             len(fmt.tokenizer),
             [dataclasses.asdict(ex) for ex in examples],  # every field and label, not only the ids

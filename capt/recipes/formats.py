@@ -59,6 +59,11 @@ class TaskFormat:
     def collate(self, features: list[Features]) -> dict[str, Any]:
         raise NotImplementedError
 
+    def cache_settings(self) -> dict[str, Any]:
+        """Settings besides the task, tokenizer, family and max length that change `encode`'s output; they enter the
+        key of the feature cache (`capt.recipes.evaluate.encode_cached`)."""
+        return {}
+
     @staticmethod
     def length(features: Features) -> int:
         """Tokens in an encoded example, for length-grouped batching."""

@@ -135,3 +135,25 @@ def superglue_average(scores: dict[str, float]) -> float:
     if any(not 0 <= s <= 1 for s in scores.values()):
         raise ValueError(f"scores must be fractions in [0, 1] (not percentages): {scores}")
     return fmean(scores.values())
+
+
+def exact_match(prediction: str, reference: str) -> float:
+    """1.0 when the two texts are equal after SQuAD normalisation (lower case; punctuation and the articles a, an,
+    the removed; runs of whitespace as one space), else 0.0.
+
+    Example:
+        >>> exact_match("The Eiffel Tower.", "eiffel  tower")
+        1.0
+    """
+    return float(_normalize(prediction) == _normalize(reference))
+
+
+def token_f1(prediction: str, reference: str) -> float:
+    """SQuAD's token F1: the harmonic mean of precision and recall of the normalised words (see `exact_match`),
+    counted as a multiset; 0.0 when no word is shared (also when either text is empty after normalisation).
+
+    Example:
+        >>> round(token_f1("Paris, France", "Paris"), 3)
+        0.667
+    """
+    return _token_f1(prediction, reference)

@@ -3,8 +3,8 @@
     capt serve --model tiny-llama --adapters rte=runs/rte,cb=runs/cb --port 8000
 
 - `engine.py`: the worker thread that owns the capsule bank, the bounded queue and the batched decode loop;
-- `app.py`: the FastAPI routes (OpenAI-style /v1/completions, /v1/classify, /v1/models, /v1/adapters,
-  /health, /metrics), limits and the optional API key.
+- `app.py`: the FastAPI routes (OpenAI-style /v1/completions and /v1/chat/completions, /v1/classify, /v1/models,
+  /v1/adapters, /health, /metrics), limits and the optional API key.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import hmac
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,17 +21,18 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
+from ..chat import prompt_ids as chat_prompt_ids
 from ..data import TASKS
 from .engine import BASE_MODEL, Classification, Completion, Engine, QueueFull
 
 
-class CompletionBody(BaseModel):
-    """The OpenAI completions fields that `capt serve` honours (others are refused with 422)."""
+class SamplingFields(BaseModel):
+    """The OpenAI sampling fields that `capt serve` honours, shared by completions and chat completions (other
+    fields are refused with 422)."""
 
     model_config = {"extra": "forbid"}
 
     model: str
-    prompt: str
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -39,6 +40,28 @@ class CompletionBody(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     user: str | None = None  # accepted and ignored, as the OpenAI client may send it
+
+
+class CompletionBody(SamplingFields):
+    """The OpenAI completions request."""
+
+    prompt: str
+
+
+class ChatMessage(BaseModel):
+    model_config = {"extra": "forbid"}
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatCompletionBody(SamplingFields):
+    """The OpenAI chat completions request: `messages`, written with the tokenizer's chat template. Without
+    `max_tokens` (or OpenAI's newer `max_completion_tokens`) an answer may take up to the server's --max-tokens."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
 
 
 class ClassifyBody(BaseModel):
@@ -249,6 +272,90 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
             "total_tokens": len(prompt_ids) + event["tokens"],
         }
         return answer
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionBody):
+        messages = [message.model_dump() for message in body.messages]
+        try:  # the prompt as training wrote it: the chat template with its generation prompt
+            prompt_ids = chat_prompt_ids(engine.tokenizer, messages)
+        except ValueError as err:  # a tokenizer without a chat template
+            raise HTTPError(400, f"messages: {err}") from err
+        max_tokens = body.max_completion_tokens or body.max_tokens or limits.max_tokens
+        stop = check_generation(body, prompt_ids, max_tokens)
+        job, events = submit(
+            lambda emit: Completion(
+                body.model, prompt_ids, max_tokens, body.temperature, body.top_p, body.seed, stop, emit
+            )
+        )
+        created, ident = int(time.time()), f"chatcmpl-{id(job):x}"
+        deadline = time.monotonic() + limits.timeout_s
+
+        def chunk(delta: dict[str, str], finish: str | None) -> dict[str, Any]:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {"id": ident, "object": "chat.completion.chunk", "created": created, "model": body.model,
+                    "choices": [choice]}  # fmt: skip
+
+        if body.stream:
+
+            async def stream() -> AsyncIterator[str]:
+                try:
+                    yield f"data: {json.dumps(chunk({'role': 'assistant', 'content': ''}, None))}\n\n"
+                    while True:
+                        try:
+                            event = await next_event(events, deadline)
+                        except HTTPError as err:
+                            yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.kind}})}\n\n"
+                            return
+                        if "text" in event:
+                            yield f"data: {json.dumps(chunk({'content': event['text']}, None))}\n\n"
+                        else:
+                            yield f"data: {json.dumps(chunk({}, event['done']))}\n\n"
+                            yield "data: [DONE]\n\n"
+                            return
+                finally:  # normal end, error, or a client that went away: the row leaves the batch
+                    job.cancelled.set()
+
+            return StreamingResponse(stream(), media_type="text/event-stream")
+
+        parts = []
+        try:
+            while "done" not in (event := await next_event(events, deadline)):
+                parts.append(event["text"])
+        finally:
+            job.cancelled.set()
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": "".join(parts)},
+            "logprobs": None,
+            "finish_reason": event["done"],
+        }
+        return {
+            "id": ident,
+            "object": "chat.completion",
+            "created": created,
+            "model": body.model,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": event["tokens"],
+                "total_tokens": len(prompt_ids) + event["tokens"],
+            },
+        }
+
+    def check_generation(body: SamplingFields, prompt_ids: list[int], max_tokens: int) -> list[str]:
+        """Refuse a generation request the server cannot run (HTTPError); returns its stop strings."""
+        if engine.family != "decoder":
+            raise HTTPError(400, f"completions need a decoder-only backbone; this one is {engine.family}")
+        if body.model != BASE_MODEL and body.model not in engine.adapters:
+            raise HTTPError(404, f"model {body.model!r} is neither {BASE_MODEL!r} nor a loaded adapter", "not_found")
+        if max_tokens > limits.max_tokens:
+            raise HTTPError(400, f"max_tokens: at most {limits.max_tokens}, got {max_tokens}")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stop) > 4 or any(not s for s in stop):
+            raise HTTPError(400, "stop: up to 4 non-empty strings")
+        if not prompt_ids or len(prompt_ids) > limits.max_prompt_tokens:
+            raise HTTPError(400, f"prompt: 1 to {limits.max_prompt_tokens} tokens, got {len(prompt_ids)}")
+        return stop
 
     return app
 
