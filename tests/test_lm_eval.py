@@ -13,14 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("lm_eval")
+from capt.import_utils import missing_modules
+from capt.recipes.cli import main
+from capt.recipes.evaluate import load_splits
+from capt.recipes.run import ADAPTER_DIR, load_run
 
-from lm_eval.api.instance import Instance  # noqa: E402
+needs_lm_eval = pytest.mark.skipif(bool(missing_modules("lm_eval")), reason="the lm-eval extra is not installed")
+if not missing_modules("lm_eval"):
+    from lm_eval.api.instance import Instance
 
-from capt.recipes.cli import main  # noqa: E402
-from capt.recipes.evaluate import load_splits  # noqa: E402
-from capt.recipes.lm_eval import CaptLM, load_adapter_model  # noqa: E402
-from capt.recipes.run import ADAPTER_DIR, load_run  # noqa: E402
+    from capt.recipes.lm_eval import CaptLM, load_adapter_model
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "superglue"
 EXAMPLES = 8
@@ -74,6 +76,7 @@ def _capt_eval_scores(run: Path) -> tuple[list[list[list[int]]], torch.Tensor]:
     return [[row["input_ids"] for row in f["rows"]] for f in features], scores
 
 
+@needs_lm_eval
 def test_lm_eval_scores_equal_capt_eval_on_the_same_tokens(copa_run, tmp_path, capsys, monkeypatch):
     # lm-eval's CLI would bind its log handler to this test's captured stderr, which later tests find closed.
     monkeypatch.setattr("lm_eval.utils._LOGGING_CONFIGURED", True)
@@ -101,6 +104,7 @@ def test_lm_eval_scores_equal_capt_eval_on_the_same_tokens(copa_run, tmp_path, c
     assert "copa_local" in capsys.readouterr().out  # lm-eval's table
 
 
+@needs_lm_eval
 def test_the_continuation_stays_out_of_the_capsule_mean(copa_run):
     """The whole-row protocol (lm-eval's `hf` model: every token an instance token) scores differently, by more
     than ten times the tolerance of the equality above, which so holds only because the continuation is a target.
@@ -123,6 +127,7 @@ def test_the_continuation_stays_out_of_the_capsule_mean(copa_run):
     assert abs(whole_row - context_only) > 1e-3
 
 
+@needs_lm_eval
 def test_an_adapter_folder_with_its_backbone_scores_like_its_run(copa_run):
     request = Instance("loglikelihood", {}, ("The girl found a bug in her cereal therefore", " she lost it."), 0)
     args = dict(device="cpu", add_bos_token=False, prefix_token_id=102)
@@ -131,6 +136,7 @@ def test_an_adapter_folder_with_its_backbone_scores_like_its_run(copa_run):
     assert from_adapter[0][0] == pytest.approx(from_run[0][0], abs=1e-5)
 
 
+@needs_lm_eval
 def test_bad_adapter_arguments_say_what_is_wrong(copa_run, tmp_path):
     with pytest.raises(FileNotFoundError, match="neither a `capt train` run folder"):
         load_adapter_model(str(tmp_path))
@@ -138,3 +144,10 @@ def test_bad_adapter_arguments_say_what_is_wrong(copa_run, tmp_path):
         load_adapter_model(str(copa_run), pretrained="tiny-llama")
     with pytest.raises(ValueError, match="takes a number for --batch_size"):
         CaptLM(adapter=str(copa_run), batch_size="auto")
+
+
+def test_without_the_extra_the_command_names_it(monkeypatch, capsys):
+    monkeypatch.setattr("capt.import_utils.missing_modules", lambda *names: list(names))
+    assert main(["lm-eval", "--model", "capt", "--tasks", "copa"]) == 1
+    expected = 'capt lm-eval needs the [lm-eval] extra (lm_eval missing): pip install "capt[lm-eval]"'
+    assert expected in capsys.readouterr().err
