@@ -77,8 +77,11 @@ class CaptLM(HFLM):
     """lm-eval's `hf` model, with log-likelihoods scored under CaPT's protocol (the capsule mean over the context).
 
     Example:
+        >>> from lm_eval.api.instance import Instance
         >>> lm = CaptLM(adapter="runs/copa-capt", device="cpu")  # doctest: +SKIP
-        >>> lm.loglikelihood([Instance("loglikelihood", {}, ("It rained, therefore", " the grass was wet"), 0)])
+        >>> request = Instance("loglikelihood", {}, ("It rained, therefore", " the grass was wet"), 0)
+        >>> lm.loglikelihood([request])  # (log-likelihood, greedy?) per request  # doctest: +SKIP
+        [(-9.53..., False)]
     """
 
     def __init__(self, adapter: str, pretrained: str | None = None, device: str | None = None, **kwargs: Any):
