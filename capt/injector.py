@@ -337,6 +337,7 @@ class CapsuleInjector:
         """Put the slot columns in front of every stream that has capsules; record instance masks and row adapters."""
         self._end_pass()
         if self._role_for("input_ids") is not None:
+            refuse_packed_rows(inputs)
             mask = self._stream_instance_mask(inputs, "", instance_mask)
             if self.position_limit is not None and mask.shape[-1] + self.num_slots > self.position_limit:
                 raise ValueError(
@@ -523,6 +524,40 @@ def _step_batch_size(inputs: dict[str, Any]) -> int:
         if isinstance(inputs.get(key), torch.Tensor):
             return inputs[key].shape[0]
     raise ValueError("pass input_ids or inputs_embeds (decoder_input_ids for an encoder-decoder)")
+
+
+# The sequence boundaries that padding-free batches (TRL's packing and `padding_free`, DataCollatorWithFlattening)
+# hand to flash attention's variable-length kernels.
+PACKED_SEQUENCE_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
+
+
+def refuse_packed_rows(inputs: dict[str, Any]) -> None:
+    """A ValueError if a row holds several sequences: its `position_ids` restart (or flash attention's sequence
+    boundaries are passed). One capsule mean per row would then mix the instances of different examples.
+
+    Example:
+        >>> refuse_packed_rows({"position_ids": torch.tensor([[0, 1, 2, 0, 1]])})
+        Traceback (most recent call last):
+        ...
+        ValueError: row 0 holds several sequences (position_ids restart at token 3): ...
+    """
+    positions = inputs.get("position_ids")
+    restarts = None
+    if isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[1] > 1:
+        real = inputs.get("attention_mask")
+        real = torch.ones_like(positions, dtype=torch.bool) if real is None else real.bool()
+        restarts = (positions[:, 1:] <= positions[:, :-1]) & real[:, 1:] & real[:, :-1]
+    if restarts is not None and restarts.any():
+        row, token = (int(i) for i in restarts.nonzero()[0])
+        where = f"row {row} holds several sequences (position_ids restart at token {token + 1})"
+    elif any(inputs.get(key) is not None for key in PACKED_SEQUENCE_KEYS):
+        where = f"the batch holds several sequences per row ({', '.join(PACKED_SEQUENCE_KEYS)} given)"
+    else:
+        return
+    raise ValueError(
+        f"{where}: packed or padding-free batches would mix several examples in one capsule mean. Give one example "
+        "per row, padded (TRL: SFTConfig(packing=False, padding_free=False))"
+    )
 
 
 def check_token_ids(ids: Any, name: str) -> None:

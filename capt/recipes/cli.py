@@ -3,6 +3,7 @@
     capt train --task rte --method capt --epochs 3
     capt train --config configs/minilm.yaml --task cb --seeds 3
     capt eval --adapter runs/rte-capt --task rte
+    capt lm-eval --model capt --model_args adapter=runs/copa-capt --tasks copa --limit 100
     capt compare --tasks cb,copa,rte,wic --methods capt,deep-prompt,prompt,lora --seeds 3
     capt sweep --tasks cb --methods capt,lora --lr-grid "capt=3e-3,1e-2,3e-2;lora=1e-4,5e-4,1e-3" --seeds 3
     capt sweep --config configs/smollm2-study.yaml --seeds 3 --extend-grid 1   # the whole study: the file's plan
@@ -48,11 +49,14 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import main as bench
 
         return bench(argv[1:])
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 2
+    if argv[:1] == ["lm-eval"]:  # lm-evaluation-harness parses its own flags (capt lm-eval --help)
+        args = argparse.Namespace(command="lm-eval", handler=_lm_eval, harness_args=argv[1:])
+    else:
+        parser = _parser()
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 2
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # weight-loading reports would drown the progress output
@@ -78,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command")
     commands.add_parser("bench", help="training-step and generate cost of every method (see benchmarks/README.md)")
+    commands.add_parser("lm-eval", help="lm-evaluation-harness on a CaPT run or adapter: --model capt (see --help)")
 
     train = commands.add_parser("train", help="train one task with one method (one or more seeds)")
     _add_run_flags(train)
@@ -403,6 +408,16 @@ def _predict(args: argparse.Namespace) -> int:
     count = predict_file(_name_pairs(args.adapters, "--adapters"), Path(args.input), Path(args.output))
     print(f"{count} predictions written to {args.output}")
     return 0
+
+
+def _lm_eval(args: argparse.Namespace) -> int:
+    from ..import_utils import missing_modules
+
+    if missing_modules("lm_eval"):
+        raise ValueError('capt lm-eval needs the [lm-eval] extra (lm_eval missing): pip install "capt[lm-eval]"')
+    from .lm_eval import run_harness
+
+    return run_harness(args.harness_args)
 
 
 def _add_serve_parser(commands: argparse._SubParsersAction) -> None:

@@ -238,20 +238,7 @@ class CausalLMFormat(OptionScoringFormat):
         return -self.row_scores(model, inputs).sum() / targets  # HF's mean over target tokens
 
     def row_scores(self, model, inputs):
-        """The LM head runs only on the trailing positions that predict a target (`logits_to_keep`).
-
-        Right-padded rows end their targets at different places, so the kept span starts one position before the
-        earliest target of any row. Labels are not passed: the model would compute a loss over all positions.
-        The capsule mean still leaves the targets out (`instance_mask`), as it does when it reads labels.
-        """
-        labels = inputs["labels"]
-        first_target = (labels != -100).int().argmax(-1).min().item()
-        keep = labels.shape[1] - first_target + 1
-        model_inputs = {k: v for k, v in inputs.items() if k != "labels"}
-        if has_capsules(model):
-            model_inputs["instance_mask"] = labels == -100
-        logits = model(**model_inputs, logits_to_keep=keep).logits
-        return target_logprobs(logits, labels, shifted=True)
+        return target_logprobs(continuation_logits(model, inputs), inputs["labels"], shifted=True)
 
     def scores(self, model, batch):
         """Option scores from one prompt pass per example where that is exact (`prompt_pass_is_exact`), else from
@@ -318,6 +305,24 @@ class CausalLMFormat(OptionScoringFormat):
             )
             logits = torch.cat([logits, continued.logits[:, :-1]], 1)
         return target_logprobs(logits, torch.where(target_mask, target_ids, -100), shifted=False)
+
+
+def continuation_logits(model: nn.Module | partial, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A causal LM's logits on right-padded (prompt + continuation) rows whose `labels` are -100 on the prompt: the
+    capsule mean covers the prompt only, the protocol CaPT trains under (shared with `capt lm-eval`).
+
+    The LM head runs only on the trailing positions that predict a target (`logits_to_keep`). Right-padded rows end
+    their targets at different places, so the kept span starts one position before the earliest target of any row.
+    Labels are not passed: the model would compute a loss over all positions. The capsule mean still leaves the
+    targets out (`instance_mask`), as it does when it reads labels.
+    """
+    labels = inputs["labels"]
+    first_target = (labels != -100).int().argmax(-1).min().item()
+    keep = labels.shape[1] - first_target + 1
+    model_inputs = {k: v for k, v in inputs.items() if k != "labels"}
+    if has_capsules(model):
+        model_inputs["instance_mask"] = labels == -100
+    return model(**model_inputs, logits_to_keep=keep).logits
 
 
 def has_capsules(model: nn.Module | partial) -> bool:
