@@ -24,6 +24,7 @@ from .config import WEIGHTS_NAME, CaptConfig
 from .heads import TaskHeads, resolve_head_names
 from .injector import CAPT_INPUTS, CapsuleInjector
 from .saving import read_adapter_weights, skip_tied_duplicates_in_state_dict, write_adapter
+from .sites import task_type_of
 
 
 class CaptModel(nn.Module):
@@ -267,8 +268,11 @@ class CaptModel(nn.Module):
         """
         name = adapter_name or self.active_adapter
         self.require_loaded(name)
+        adapter_config = self.adapter_configs[name]
         config = {
-            **self.adapter_configs[name].to_dict(),
+            **adapter_config.to_dict(),
+            # PEFT's Auto classes and PeftModel.from_pretrained pick the model class from the task type.
+            "task_type": getattr(adapter_config, "task_type", None) or task_type_of(self.base_model),
             "base_model": self.injector.fingerprint(),
             "base_model_name_or_path": getattr(self.base_model.config, "_name_or_path", None) or None,
         }
