@@ -9,7 +9,8 @@ share this machinery. Once attached, the model itself behaves as a CaPT model, w
    a placeholder token id (its embedding is never used), attention-mask 1, token-type 0, explicit position ids
    shifted by one. Masks, RoPE positions and KV caches are then built by the model itself, for any architecture.
    It also records which tokens are *instance tokens* (non-padding; for causal LMs those before the first
-   target), and which adapter each row uses. A forward hook on the model strips the slot rows from what the caller gets back.
+   target), and which adapter each row uses. A forward hook on the model strips the slot rows from what the
+   caller gets back.
 2. `model.generate` is shadowed by `CapsuleInjector.generate`, which does the same once, for the prompt.
 3. A forward pre-hook on the module owning the layers (BertEncoder, T5Stack, LlamaModel, ...) turns the instance
    mask into mean weights once per pass. It is active only when the pass holds the slot: the first (prefill)
