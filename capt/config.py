@@ -225,7 +225,7 @@ class CaptConfig(config_base()):
         if not config_file.is_file() and looks_like_hub_id and config_base() is not object:
             return super().from_pretrained(str(path), subfolder=subfolder, **hub_kwargs)
         if not config_file.is_file():
-            raise FileNotFoundError(f"no {CONFIG_NAME} in {directory}: {_what_is_there(directory)}, not a CaPT adapter")
+            raise FileNotFoundError(f"no {CONFIG_NAME} in {directory}: {_what_is_there(directory)}")
         try:
             data = json.loads(config_file.read_text())
         except json.JSONDecodeError as err:
@@ -234,28 +234,29 @@ class CaptConfig(config_base()):
 
 
 def _what_is_there(path: Path) -> str:
-    """What a path without an adapter_config.json holds, for the error that refuses it."""
+    """What a path without an adapter_config.json is, for the one-line error that refuses it."""
     if not path.exists():
         return "the path does not exist"
     if not path.is_dir():
-        return "it is a file (give the adapter's folder)"
+        return "it is a file; give the adapter's folder"
     names = sorted(p.name for p in path.iterdir())
     if not names:
-        return "an empty folder"
+        return "it is an empty folder"
     if "config.json" in names:
         try:
             model_type = json.loads((path / "config.json").read_text()).get("model_type", "unknown")
         except (json.JSONDecodeError, AttributeError, OSError):
             model_type = "unreadable"
-        return f"a full transformers model (config.json, model_type {model_type})"
+        return f"it holds a full transformers model (config.json, model_type {model_type}), not an adapter"
     if "model.safetensors" in names:
         # What transformers.Trainer writes for a model it cannot save as an adapter (any plain nn.Module).
         return (
-            "a full state dict (model.safetensors), as transformers.Trainer saves a CaptModel; for an adapter, "
-            "train peft.get_peft_model(base, capt.CaptConfig()) with Trainer (docs/integrations.md)"
+            "it holds a full state dict (model.safetensors), as transformers.Trainer saves a CaptModel, not an "
+            "adapter; Trainer saves adapters of PEFT models: train peft.get_peft_model(base, capt.CaptConfig()) "
+            "(docs/integrations.md)"
         )
     shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-    return f"a folder holding {shown}"
+    return f"it holds {shown}, not a CaPT adapter"
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -22,7 +22,7 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
-from capt.recipes.backbones import random_config
+from capt.recipes.backbones import load_backbone, random_config
 
 VOCAB = 101
 # The tiny configs every core test builds: one builder (the recipes' random_config) at test sizes.
@@ -106,3 +106,11 @@ def batch_inputs(name: str, batch: int = 2, length: int = 6, seed: int = 0) -> d
 @pytest.fixture
 def tmp_adapter(tmp_path):
     return tmp_path / "adapter"
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M, loaded once per session: tests attach their adapter and remove it again."""
+    backbone = load_backbone("smollm2")
+    backbone.model.eval()
+    return backbone

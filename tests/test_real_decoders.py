@@ -25,13 +25,6 @@ PROMPTS = ["The capital of France is", "Two plus two equals four, and three plus
 
 
 @pytest.fixture(scope="session")
-def smollm2():
-    backbone = load_backbone("smollm2")
-    backbone.model.eval()
-    return backbone
-
-
-@pytest.fixture(scope="session")
 def gemma():
     backbone = load_backbone("gemma3-270m")
     use_eager_attention(backbone.model)  # the sliding-window test reads attention weights
