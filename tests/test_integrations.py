@@ -286,3 +286,24 @@ print(type(model).__name__)
 """
     assert _run_fresh(script).strip() == "PeftModelForCausalLM"
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, rtol=0, atol=1e-4)
+
+
+# ---------------------------------------------------------------------- the documentation runs as written
+
+
+def _python_blocks(page: Path) -> list[str]:
+    """The ```python blocks of a Markdown page, except those marked `<!-- not run: ... -->`."""
+    blocks, lines = [], page.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.strip() == "```python" and not (i and lines[i - 1].startswith("<!-- not run")):
+            end = lines.index("```", i + 1)
+            blocks.append("\n".join(lines[i + 1 : end]))
+    return blocks
+
+
+@pytest.mark.parametrize("block", _python_blocks(REPO / "docs" / "integrations.md"))
+def test_the_integrations_page_runs_as_written(block, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "docs/integrations.md", "exec"), {"__name__": "__main__"})
+    out = capsys.readouterr().out
+    assert out and "False" not in out  # the blocks print their checks
