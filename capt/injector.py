@@ -387,7 +387,8 @@ class CapsuleInjector:
             return
         fix = (
             "labels = input_ids leaves no prompt for the capsule's mean: set the prompt's labels to -100 (loss on "
-            "the answer only), or pass instance_mask (1 = instance token)"
+            "the answer only), or pass instance_mask (1 = instance token; transformers.Trainer drops that column from "
+            "a PeftModel's batches unless TrainingArguments(remove_unused_columns=False))"
         )
         if bool(empty.all()):
             raise ValueError(f"no row of this causal-LM batch has a token before its first target; {fix}")

@@ -249,6 +249,16 @@ def test_whole_sequence_labels_warn_once_and_are_refused_when_no_row_has_a_promp
     torch.testing.assert_close(with_mask, model(input_ids=ids, labels=masked).logits, rtol=0, atol=1e-6)
 
 
+def test_an_instance_mask_column_reaches_a_peft_model_in_trainer_when_trainer_keeps_the_column(tmp_path):
+    """Trainer keeps only the columns the base model's forward names, for a PeftModel: the refusal says so."""
+    rows = [{**row, "labels": row["input_ids"], "instance_mask": (row["labels"] == -100).long()} for row in _rows()]
+    model = peft.get_peft_model(build("llama"), capt.CaptConfig())
+    with pytest.raises(ValueError, match=r"remove_unused_columns=False"):
+        Trainer(model=model, args=_args(tmp_path / "dropped"), train_dataset=rows).train()
+    kept = _args(tmp_path / "kept", remove_unused_columns=False)
+    assert Trainer(model=model, args=kept, train_dataset=rows).train().training_loss > 0
+
+
 # ---------------------------------------------------------------------- the real SmolLM2, reloaded in a new process
 
 
