@@ -33,6 +33,9 @@ class CaptModel(nn.Module):
     Several task adapters can be loaded at once (a capsule bank): `load_adapter` / `set_adapter`, and
     `adapter_names=[...]` (one per example) on `forward` / `generate` mixes tasks in one batch.
 
+    `transformers.Trainer` saves only a `peft.PeftModel` as an adapter (a CaptModel it saves whole): to train with
+    Trainer, attach the same config with `peft.get_peft_model(base, config)` (docs/integrations.md).
+
     Example:
         >>> import torch, capt
         >>> from transformers import LlamaConfig, LlamaForCausalLM
