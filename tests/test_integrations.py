@@ -89,11 +89,16 @@ def test_trainer_saves_checkpoints_and_the_final_model_as_adapters_and_resumes_f
     torch.testing.assert_close(_logits(resumed, inputs), expected, rtol=0, atol=1e-5)
 
 
-def test_param_groups_give_trainer_one_learning_rate_for_the_capsules_and_another_for_the_head(tmp_path):
+@pytest.mark.parametrize("route", ["optimizers", "optimizer_cls_and_kwargs"])
+def test_param_groups_give_trainer_one_learning_rate_for_the_capsules_and_another_for_the_head(route, tmp_path):
     model = peft.get_peft_model(build("bert-cls"), capt.CaptConfig())
     rows = [{**row, "labels": torch.tensor(i % 3)} for i, row in enumerate(_rows())]
-    optimizer = torch.optim.AdamW(capt.param_groups(model, lr=0.3, head_lr=1e-3))
-    trainer = Trainer(model=model, args=_args(tmp_path, max_steps=1), train_dataset=rows, optimizers=(optimizer, None))
+    groups = capt.param_groups(model, lr=0.3, head_lr=1e-3)
+    if route == "optimizers":
+        optimizer = {"optimizers": (torch.optim.AdamW(groups), None)}
+    else:  # Trainer builds the optimizer itself, from the groups given as `params`
+        optimizer = {"optimizer_cls_and_kwargs": (torch.optim.AdamW, {"params": groups})}
+    trainer = Trainer(model=model, args=_args(tmp_path, max_steps=1), train_dataset=rows, **optimizer)
     trainer.train()
     by_rate = {g["initial_lr"]: {id(p) for p in g["params"]} for g in trainer.optimizer.param_groups}
     heads = {id(p) for n, p in model.named_parameters() if p.requires_grad and ".classifier." in n}
