@@ -197,12 +197,16 @@ class CaptConfig(config_base()):
         """A CaptConfig from stored fields (an adapter_config.json); every error names `source`."""
         if not isinstance(data, Mapping):
             raise ValueError(f"{source}: expected a JSON object of CaptConfig fields, got {type(data).__name__}")
+        peft_type = data.get("peft_type", PEFT_TYPE)
+        if peft_type != PEFT_TYPE:  # checked first: another method's fields are not worth listing
+            raise ValueError(
+                f"{source}: this is a {peft_type} adapter (peft_type {peft_type}), not CaPT; "
+                "load it with peft.PeftModel.from_pretrained"
+            )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known - set(PEFT_BOOKKEEPING_KEYS))
         if unknown:
             raise ValueError(f"{source}: unknown CaptConfig fields {unknown}")
-        if data.get("peft_type", PEFT_TYPE) != PEFT_TYPE:
-            raise ValueError(f"{source}: peft_type is {data['peft_type']!r}, expected {PEFT_TYPE!r}")
         try:
             return cls(**{k: v for k, v in data.items() if k in known})
         except ValueError as err:
@@ -221,12 +225,38 @@ class CaptConfig(config_base()):
         if not config_file.is_file() and looks_like_hub_id and config_base() is not object:
             return super().from_pretrained(str(path), subfolder=subfolder, **hub_kwargs)
         if not config_file.is_file():
-            raise FileNotFoundError(f"no {CONFIG_NAME} in {directory}: not a CaPT adapter folder")
+            raise FileNotFoundError(f"no {CONFIG_NAME} in {directory}: {_what_is_there(directory)}")
         try:
             data = json.loads(config_file.read_text())
         except json.JSONDecodeError as err:
             raise ValueError(f"{config_file} is not valid JSON: {err}") from err
         return cls.from_dict(data, source=str(config_file))
+
+
+def _what_is_there(path: Path) -> str:
+    """What a path without an adapter_config.json is, for the one-line error that refuses it."""
+    if not path.exists():
+        return "the path does not exist"
+    if not path.is_dir():
+        return "it is a file; give the adapter's folder"
+    names = sorted(p.name for p in path.iterdir())
+    if not names:
+        return "it is an empty folder"
+    if "config.json" in names:
+        try:
+            model_type = json.loads((path / "config.json").read_text()).get("model_type", "unknown")
+        except (json.JSONDecodeError, AttributeError, OSError):
+            model_type = "unreadable"
+        return f"it holds a full transformers model (config.json, model_type {model_type}), not an adapter"
+    if "model.safetensors" in names:
+        # What transformers.Trainer writes for a model it cannot save as an adapter (any plain nn.Module).
+        return (
+            "it holds a full state dict (model.safetensors), as transformers.Trainer saves a CaptModel, not an "
+            "adapter; Trainer saves adapters of PEFT models: train peft.get_peft_model(base, capt.CaptConfig()) "
+            "(docs/integrations.md)"
+        )
+    shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    return f"it holds {shown}, not a CaPT adapter"
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -8,8 +8,9 @@ share this machinery. Once attached, the model itself behaves as a CaPT model, w
    pools the last non-pad input id) puts the slot(s) at position 0 of every input stream that has capsules:
    a placeholder token id (its embedding is never used), attention-mask 1, token-type 0, explicit position ids
    shifted by one. Masks, RoPE positions and KV caches are then built by the model itself, for any architecture.
-   It also records which tokens are *instance tokens* (non-padding; for causal LMs not targets), and which
-   adapter each row uses. A forward hook on the model strips the slot rows from what the caller gets back.
+   It also records which tokens are *instance tokens* (non-padding; for causal LMs those before the first
+   target), and which adapter each row uses. A forward hook on the model strips the slot rows from what the
+   caller gets back.
 2. `model.generate` is shadowed by `CapsuleInjector.generate`, which does the same once, for the prompt.
 3. A forward pre-hook on the module owning the layers (BertEncoder, T5Stack, LlamaModel, ...) turns the instance
    mask into mean weights once per pass. It is active only when the pass holds the slot: the first (prefill)
@@ -30,6 +31,7 @@ share this machinery. Once attached, the model itself behaves as a CaPT model, w
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -184,6 +186,7 @@ class CapsuleInjector:
         self.pending_adapter_names: list[str] | None = None
         self.row_adapters: list[str] | None = None  # per example, during a pass that names them
         self._generating = False
+        self._warned_empty_rows = False
         self._instance_masks: dict[str, torch.Tensor] = {}  # role -> mask for the next prefill pass
         self._token_masks: dict[str, torch.Tensor] = {}  # role -> non-padding user tokens (slots excluded)
         self._stream_lengths: dict[str, int] = {}  # role -> length with slots, to strip the output
@@ -351,7 +354,10 @@ class CapsuleInjector:
                         f"labels has shape {tuple(inputs['labels'].shape)}, input_ids has {tuple(mask.shape)}: a "
                         "causal LM takes one label per token (-100 where none)"
                     )
-                mask = mask & (inputs["labels"] == -100)  # targets never enter: no answer leakage
+                if instance_mask is None:  # an explicit instance_mask overrides what the labels say
+                    attended = mask
+                    mask = mask & before_first_target(inputs["labels"])
+                    self._check_instance_tokens(mask, attended)
             if positions and self._derives_positions and "position_ids" not in inputs and "attention_mask" in inputs:
                 # Positions count from the first real token, so that the slot (position 0) is as far from every
                 # token whatever the padding; generate() derives its positions from the mask the same way.
@@ -374,6 +380,28 @@ class CapsuleInjector:
         if adapter_names is not None:
             batch = next(iter(self._instance_masks.values())).shape[0]
             self.row_adapters = self._checked_row_adapters(adapter_names, batch)
+
+    def _check_instance_tokens(self, mask: torch.Tensor, attended: torch.Tensor) -> None:
+        """Refuse a labelled causal-LM batch whose rows all lack instance tokens; warn (once) when some do."""
+        empty = ~mask.any(-1) & attended.any(-1)
+        if not bool(empty.any()):
+            return
+        fix = (
+            "labels = input_ids leaves no prompt for the capsule's mean: set the prompt's labels to -100 (loss on "
+            "the answer only), or pass instance_mask (1 = instance token; transformers.Trainer drops that column from "
+            "a PeftModel's batches unless TrainingArguments(remove_unused_columns=False))"
+        )
+        if bool(empty.all()):
+            raise ValueError(f"no row of this causal-LM batch has a token before its first target; {fix}")
+        if not self._warned_empty_rows:
+            self._warned_empty_rows = True
+            rows = empty.nonzero().flatten().tolist()
+            warnings.warn(
+                f"CaPT: rows {rows} of a causal-LM batch have no token before their first target, so their capsule "
+                f"sees no instance (this warning is shown once); {fix}",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def _checked_row_adapters(self, adapter_names: Sequence[str], batch: int) -> list[str]:
         names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
@@ -516,6 +544,16 @@ class CapsuleInjector:
         if not site.strips_output:
             return output
         return strip_slots(output, self.num_slots, STREAM_FIELDS["own"], state.first_weights.shape[-1])
+
+
+def before_first_target(labels: torch.Tensor) -> torch.Tensor:
+    """The positions before each row's first target (label != -100): a causal LM's instance tokens.
+
+    For one answer after a prompt, these are exactly the tokens labelled -100. For multi-turn chat labels (the loss
+    on every assistant turn) the user turns after the first answer stay out too: they come after an answer, and
+    through the mean at position 0 every token, the first answer's included, would see them.
+    """
+    return (labels != -100).long().cumsum(-1) == 0
 
 
 def _step_batch_size(inputs: dict[str, Any]) -> int:

@@ -24,6 +24,7 @@ from .config import WEIGHTS_NAME, CaptConfig
 from .heads import TaskHeads, resolve_head_names
 from .injector import CAPT_INPUTS, CapsuleInjector
 from .saving import read_adapter_weights, skip_tied_duplicates_in_state_dict, write_adapter
+from .sites import task_type_of
 
 
 class CaptModel(nn.Module):
@@ -31,6 +32,9 @@ class CaptModel(nn.Module):
 
     Several task adapters can be loaded at once (a capsule bank): `load_adapter` / `set_adapter`, and
     `adapter_names=[...]` (one per example) on `forward` / `generate` mixes tasks in one batch.
+
+    `transformers.Trainer` saves only a `peft.PeftModel` as an adapter (a CaptModel it saves whole): to train with
+    Trainer, attach the same config with `peft.get_peft_model(base, config)` (docs/integrations.md).
 
     Example:
         >>> import torch, capt
@@ -267,8 +271,11 @@ class CaptModel(nn.Module):
         """
         name = adapter_name or self.active_adapter
         self.require_loaded(name)
+        adapter_config = self.adapter_configs[name]
         config = {
-            **self.adapter_configs[name].to_dict(),
+            **adapter_config.to_dict(),
+            # PEFT's Auto classes and PeftModel.from_pretrained pick the model class from the task type.
+            "task_type": getattr(adapter_config, "task_type", None) or task_type_of(self.base_model),
             "base_model": self.injector.fingerprint(),
             "base_model_name_or_path": getattr(self.base_model.config, "_name_or_path", None) or None,
         }

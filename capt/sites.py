@@ -14,6 +14,11 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES,
+    MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
+    MODEL_MAPPING_NAMES,
 )
 
 from .config import CaptConfig
@@ -39,6 +44,29 @@ def is_causal_lm(model: PreTrainedModel) -> bool:
     """Whether `model` is its architecture's causal LM (LlamaForCausalLM, GPT2LMHeadModel), whose labels are the
     next-token targets, one per token; a decoder classifier (LlamaForTokenClassification) is not."""
     return type(model).__name__ == MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model.config.model_type)
+
+
+# PEFT's task types, each with the transformers Auto mapping whose class the task's AutoPeftModel loads.
+_TASK_TYPE_MAPPINGS = {
+    "CAUSAL_LM": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    "SEQ_2_SEQ_LM": MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    "SEQ_CLS": MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    "TOKEN_CLS": MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
+    "QUESTION_ANS": MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES,
+    "FEATURE_EXTRACTION": MODEL_MAPPING_NAMES,
+}
+
+
+def task_type_of(model: PreTrainedModel) -> str | None:
+    """PEFT's task type for `model`'s class (LlamaForCausalLM: 'CAUSAL_LM', BertForSequenceClassification:
+    'SEQ_CLS', T5ForConditionalGeneration: 'SEQ_2_SEQ_LM', BertModel: 'FEATURE_EXTRACTION'); None for a class no
+    Auto mapping names, which `AutoPeftModel...` could not load anyway."""
+    name, model_type = type(model).__name__, getattr(model.config, "model_type", None)
+    for task_type, mapping in _TASK_TYPE_MAPPINGS.items():
+        names = mapping.get(model_type, ())
+        if name in ((names,) if isinstance(names, str) else names):
+            return task_type
+    return None
 
 
 def config_family(config: PretrainedConfig) -> str:

@@ -620,7 +620,7 @@ def test_causal_lm_labels_of_another_shape_are_refused_before_they_skip_the_targ
     ids = torch.tensor([[5, 6, 7]])
     with pytest.raises(ValueError, match=r"labels has shape \(1, 2\), input_ids has \(1, 3\): a causal LM takes one"):
         model(input_ids=ids, labels=ids[:, :2])
-    assert model(input_ids=ids, labels=ids).loss.isfinite()
+    assert model(input_ids=ids, labels=torch.tensor([[-100, 6, 7]])).loss.isfinite()
 
 
 def test_several_seeds_resume_after_a_kill_between_two_seeds(tmp_path, capsys):

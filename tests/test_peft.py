@@ -150,7 +150,8 @@ def _dataset(size: int = 8) -> list[dict[str, torch.Tensor]]:
     rows = []
     for _ in range(size):
         ids = torch.randint(3, 101, (6,), generator=generator)
-        rows.append({"input_ids": ids, "attention_mask": torch.ones(6, dtype=torch.long), "labels": ids.clone()})
+        labels = torch.cat([torch.full((3,), -100), ids[3:]])  # a 3-token prompt, the loss on the rest
+        rows.append({"input_ids": ids, "attention_mask": torch.ones(6, dtype=torch.long), "labels": labels})
     return rows
 
 

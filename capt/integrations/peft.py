@@ -29,6 +29,7 @@ from ..capsule import Capsules
 from ..config import PEFT_TYPE, CaptConfig
 from ..heads import resolve_head_names
 from ..injector import CapsuleInjector
+from ..sites import task_type_of
 
 PREFIX = "capt_"
 
@@ -101,6 +102,8 @@ class CaptTuner(BaseTuner):
         # PEFT saves this config as adapter_config.json: stamp it with the model it fits, as CaptModel does, so that
         # loading it into another model is refused on either path.
         config.base_model = config.base_model or self.injector.fingerprint()
+        # and with its task type, which PEFT's Auto classes and PeftModel.from_pretrained choose the class by.
+        config.task_type = config.task_type or task_type_of(model)
         device = next(model.parameters()).device
         capsules = build_slot_module(config, self.injector.num_layers, self.injector.hidden_size, device=device)
         self.capt_layer.capt_capsules[adapter_name] = capsules.requires_grad_(False)

@@ -30,6 +30,7 @@ from transformers.optimization import Adafactor
 
 from ..baselines.registry import auxiliary_loss
 from ..model import CaptModel, count_parameters
+from ..optim import param_groups
 from ..saving import atomic_write, atomic_write_text
 from .evaluate import encode_cached, evaluate, load_splits, to_device
 from .formats import TaskFormat
@@ -417,28 +418,12 @@ def length_grouped_batches(lengths: list[int], batch_size: int, rng: random.Rand
 
 
 def _optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimizer:
-    heads = [p for n, p in model.named_parameters() if p.requires_grad and _is_head(n)]
-    secondary = [p for n, p in model.named_parameters() if p.requires_grad and _is_secondary(n)]
-    others = [p for n, p in model.named_parameters() if p.requires_grad and not (_is_head(n) or _is_secondary(n))]
-    groups = [{"params": others, "lr": config.lr}]
-    if secondary:  # DePT trains its low-rank pair with its own learning rate
-        groups.append({"params": secondary, "lr": config.lr_secondary})
     # head_lr is for a task head trained beside another method's parameters; for head-only and full fine-tuning
     # the head is (part of) the method, trained at lr, so a learning-rate sweep of `head` moves the head.
-    if heads and config.method not in ("head", "full"):
-        groups.append({"params": heads, "lr": config.head_lr})
-    else:
-        groups[0]["params"] = others + heads
+    head_lr = config.lr if config.method in ("head", "full") else config.head_lr
+    groups = param_groups(model, lr=config.lr, head_lr=head_lr, secondary_lr=config.lr_secondary)
     if config.optimizer == "adafactor":
         return Adafactor(
             groups, scale_parameter=False, relative_step=False, warmup_init=False, weight_decay=config.weight_decay
         )
     return torch.optim.AdamW(groups, weight_decay=config.weight_decay)
-
-
-def _is_secondary(name: str) -> bool:
-    return "secondary" in name.split(".")
-
-
-def _is_head(name: str) -> bool:
-    return any(part in ("classifier", "score") for part in name.split("."))

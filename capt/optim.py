@@ -1,0 +1,53 @@
+"""Optimizer parameter groups for an adapted model: its capsules, a trained task head and DePT's low-rank pair
+each take their own learning rate (the `capt train` command's `--lr`, `--head-lr`, `--lr-secondary`).
+
+One rule, read from parameter names, serves `CaptModel`, CaPT through PEFT and PEFT's own methods (a head that
+PEFT wraps keeps its name in the path: `base_model.model.classifier.modules_to_save.default.weight`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+# The task heads transformers gives its classifiers (BERT-style `classifier`, decoder `score`).
+HEAD_NAMES = ("classifier", "score")
+# The module under which DePT keeps its low-rank pair (capt.baselines).
+SECONDARY_NAME = "secondary"
+
+
+def is_head(name: str) -> bool:
+    """Whether a parameter name belongs to a task head (`classifier` or `score` anywhere in its path)."""
+    return any(part in HEAD_NAMES for part in name.split("."))
+
+
+def is_secondary(name: str) -> bool:
+    """Whether a parameter name belongs to DePT's low-rank pair."""
+    return SECONDARY_NAME in name.split(".")
+
+
+def param_groups(
+    model: nn.Module, lr: float, head_lr: float | None = None, secondary_lr: float | None = None
+) -> list[dict[str, Any]]:
+    """The trainable parameters of `model` as optimizer groups: the capsules (and any other adapter weights) at
+    `lr`, a task head at `head_lr`, DePT's low-rank pair at `secondary_lr` (each None: `lr`). Parameters that share
+    a rate share a group; frozen ones are left out.
+
+    Example:
+        >>> import capt, torch
+        >>> from transformers import BertConfig, BertForSequenceClassification
+        >>> base = BertForSequenceClassification(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=4, intermediate_size=64, num_labels=2))
+        >>> model = capt.get_capt_model(base)
+        >>> groups = capt.param_groups(model, lr=3e-2, head_lr=1e-3)
+        >>> [(g["lr"], len(g["params"])) for g in groups]  # capsules; the classifier's weight and bias
+        [(0.03, 1), (0.001, 2)]
+        >>> optimizer = torch.optim.AdamW(groups)  # for transformers.Trainer: optimizers=(optimizer, None)
+    """
+    head_lr, secondary_lr = (lr if rate is None else rate for rate in (head_lr, secondary_lr))
+    rates: dict[float, list[nn.Parameter]] = {rate: [] for rate in (lr, secondary_lr, head_lr)}  # groups in order
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            rates[head_lr if is_head(name) else secondary_lr if is_secondary(name) else lr].append(param)
+    return [{"params": params, "lr": rate} for rate, params in rates.items() if params]
