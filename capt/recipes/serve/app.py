@@ -157,7 +157,7 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError):
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in err.errors())
         status = 400 if any(e["type"] == "json_invalid" for e in err.errors()) else 422
         return error(status, problems)
 
@@ -328,8 +328,10 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
 
 async def _watch_hang_up(request: Request, job: Completion, events: asyncio.Queue) -> None:
     """Free a non-streamed completion's row when its client hangs up (streams are freed by their generator)."""
-    while not await request.is_disconnected():
-        await asyncio.sleep(0.05)
+    # The body has been read: the next message the server gives is the hang-up (this task is cancelled first
+    # when the answer is complete).
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.05)  # no other message is expected once the body is read: never spin on one
     job.cancelled.set()
     events.put_nowait({"error": "the client went away"})
 
