@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import AfterValidator, BaseModel, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..data import TASKS
 from .engine import BASE_MODEL, Classification, Completion, Engine, QueueFull
@@ -154,6 +155,10 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, err: HTTPError):
         return error(err.status, err.message, err.kind)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _routing_error(request: Request, err: StarletteHTTPException):  # no such route, method not allowed
+        return error(err.status_code, f"{request.method} {request.url.path}: {err.detail}")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError):
