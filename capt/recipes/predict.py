@@ -80,7 +80,13 @@ def score_examples(bank: CaptModel, items: list[tuple[str, TaskFormat, Example]]
 
 
 def predict_file(runs: dict[str, Path], input_path: Path, output_path: Path, batch_size: int = 32) -> int:
-    """Write one prediction per example of `input_path` (in input order) to `output_path`; returns the count."""
+    """Write one prediction per example of `input_path` (in input order) to `output_path`; returns the count.
+    An output that is the input (the same path, a link to it, or the same file under another name) is refused
+    before anything is read: the input is never touched."""
+    if output_path.resolve() == input_path.resolve() or (
+        output_path.exists() and input_path.exists() and output_path.samefile(input_path)
+    ):
+        raise ValueError(f"--output {output_path} is the --input file {input_path}; write the predictions elsewhere")
     configs = {task: read_run_config(run) for task, run in runs.items()}
     for task, config in configs.items():
         if config.task != task or config.method != "capt":

@@ -316,6 +316,11 @@ def build_model(config: RunConfig) -> tuple[nn.Module, TaskFormat]:
                 f"--max-length {max_length} is beyond the {backbone.max_positions} positions of {config.model}"
             )
         max_length = min(max_length, backbone.max_positions - extra_positions(config.method, config.method_options()))
+    if config.t5_generate and backbone.family != "encoder-decoder":
+        warnings.warn(
+            f"--t5-generate applies to T5 (encoder-decoder) models only; {config.model} is {backbone.family}: ignored",
+            stacklevel=2,
+        )
     fmt = make_format(
         backbone.family, config.task, backbone.tokenizer, max_length, config.t5_generate, config.decoder_head
     )

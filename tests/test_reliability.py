@@ -1,0 +1,78 @@
+"""Issue 38, the CLI and its files: an input is never overwritten, undecodable files and misplaced settings get
+one line naming the file (and line) or the flag, damaged results name their file."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from capt.recipes.cli import main
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "superglue"
+TINY = ["--model", "tiny-llama", "--task", "cb", "--limit-train", "16", "--limit-eval", "8", "--epochs", "1"]
+
+
+@pytest.fixture(autouse=True)
+def feature_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+
+
+def _error(capsys, argv: list[str]) -> str:
+    assert main(argv) != 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "internal error" not in err, err
+    return err.strip()
+
+
+def test_predict_never_writes_over_its_input(tmp_path, capsys):
+    """--output naming the input (the same path written otherwise, a symbolic or a hard link) is refused before
+    anything is read, and the input keeps its bytes."""
+    source = tmp_path / "in.jsonl"
+    source.write_text((DATA / "CB" / "val.jsonl").read_text().splitlines()[0] + "\n")
+    before = source.read_bytes()
+    (tmp_path / "symlink.jsonl").symlink_to(source)
+    os.link(source, tmp_path / "hardlink.jsonl")
+    for output in (source, tmp_path / "." / "in.jsonl", tmp_path / "symlink.jsonl", tmp_path / "hardlink.jsonl"):
+        argv = ["predict", "--adapters", f"cb={tmp_path / 'run'}", "--input", str(source), "--output", str(output)]
+        assert f"--output {output} is the --input file" in _error(capsys, argv)
+        assert source.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    ("data", "line", "says"),
+    [
+        (b"good\n" + "caf\u00e9".encode("latin-1"), 2, "not UTF-8 text (byte 0xe9)"),
+        ("{}".encode("utf-16"), 1, "UTF-16 or binary data"),
+        ("{}\n{}".encode("utf-16-le"), 1, "UTF-16 or binary data"),
+    ],
+)
+def test_data_and_settings_files_that_are_not_utf8_name_the_file_and_line(data, line, says, tmp_path, capsys):
+    folder = tmp_path / "data" / "CB"
+    folder.mkdir(parents=True)
+    for split in ("train", "val", "test"):
+        (folder / f"{split}.jsonl").write_text((DATA / "CB" / f"{split}.jsonl").read_text())
+    lines = (DATA / "CB" / "train.jsonl").read_bytes().splitlines(keepends=True)
+    if data.startswith(b"good"):  # a bad byte in a real file's line: the file and that line are named
+        lines[line - 1] = lines[line - 1].rstrip(b"\n") + data.removeprefix(b"good\n") + b"\n"
+        (folder / "train.jsonl").write_bytes(b"".join(lines))
+    else:
+        (folder / "train.jsonl").write_bytes(data)
+    out = tmp_path / "run"
+    err = _error(capsys, ["train", *TINY, "--data-dir", str(tmp_path / "data"), "--output-dir", str(out)])
+    assert f"{folder / 'train.jsonl'}, line {line}: {says}" in err and len(err.splitlines()) == 1, err
+
+    settings = tmp_path / "study.yaml"
+    settings.write_bytes(data.replace(b"good", b"epochs: 1") if data.startswith(b"good") else data)
+    err = _error(capsys, ["train", *TINY, "--config", str(settings), "--output-dir", str(out)])
+    assert f"{settings}, line {line}: {says}" in err and len(err.splitlines()) == 1, err
+
+
+def test_resume_with_overwrite_is_refused(tmp_path, capsys):
+    err = _error(capsys, ["train", *TINY, "--data-dir", str(DATA), "--output-dir", str(tmp_path), "--resume",
+                          "--overwrite"])  # fmt: skip
+    assert "--resume continues the run in --output-dir, --overwrite starts it again: give one of them" in err
+
+
+def test_t5_generate_on_a_decoder_is_warned_as_ignored(tmp_path):
+    with pytest.warns(UserWarning, match="--t5-generate applies to T5 .* tiny-llama is decoder: ignored"):
+        assert main(["train", *TINY, "--data-dir", str(DATA), "--output-dir", str(tmp_path), "--t5-generate"]) == 0
