@@ -76,3 +76,16 @@ def test_resume_with_overwrite_is_refused(tmp_path, capsys):
 def test_t5_generate_on_a_decoder_is_warned_as_ignored(tmp_path):
     with pytest.warns(UserWarning, match="--t5-generate applies to T5 .* tiny-llama is decoder: ignored"):
         assert main(["train", *TINY, "--data-dir", str(DATA), "--output-dir", str(tmp_path), "--t5-generate"]) == 0
+
+
+def test_a_class_the_training_split_lacks_is_warned_naming_it(tmp_path):
+    """CB's training file without its 'neutral' examples (validation is cut from it): the test split holds one."""
+    folder = tmp_path / "data" / "CB"
+    folder.mkdir(parents=True)
+    for split in ("val", "test"):
+        (folder / f"{split}.jsonl").write_text((DATA / "CB" / f"{split}.jsonl").read_text())
+    kept = [line for line in (DATA / "CB" / "train.jsonl").read_text().splitlines() if '"neutral"' not in line]
+    (folder / "train.jsonl").write_text("\n".join(kept) + "\n")
+    flags = ["--data-dir", str(tmp_path / "data"), "--output-dir", str(tmp_path / "run"), "--limit-train", "64"]
+    with pytest.warns(UserWarning, match="cb: the test split holds class 'neutral', which no training"):
+        assert main(["train", *TINY, *flags]) == 0
