@@ -1,6 +1,7 @@
 """Issue 38, the CLI and its files: an input is never overwritten, undecodable files and misplaced settings get
 one line naming the file (and line) or the flag, damaged results name their file."""
 
+import json
 import os
 from pathlib import Path
 
@@ -89,3 +90,47 @@ def test_a_class_the_training_split_lacks_is_warned_naming_it(tmp_path):
     flags = ["--data-dir", str(tmp_path / "data"), "--output-dir", str(tmp_path / "run"), "--limit-train", "64"]
     with pytest.warns(UserWarning, match="cb: the test split holds class 'neutral', which no training"):
         assert main(["train", *TINY, *flags]) == 0
+
+
+STUDY_CELL = Path(__file__).resolve().parents[1] / "results" / "smollm2-study" / "cb" / "capt" / "results.json"
+
+
+def _damage(cell: dict, how: str):
+    if how == "not json":
+        return "{not json"
+    if how == "a list":
+        return []
+    if how == "no task":
+        return {k: v for k, v in cell.items() if k != "task"}
+    if how == "no grid":
+        return {k: v for k, v in cell.items() if k != "grid"}
+    return {**cell, "score": "high"}  # a wrong type
+
+
+@pytest.mark.parametrize("how", ["not json", "a list", "no task", "no grid", "a wrong type"])
+def test_every_read_back_error_of_a_damaged_sweep_cell_names_its_file(how, tmp_path, capsys):
+    """A finished cell's results.json damaged by hand, then read back by `sweep --finished-only`; and a grid
+    point's results.json damaged while its cell is unfinished, read back for the progress line."""
+    good = json.loads(STUDY_CELL.read_text())
+    cell = tmp_path / "cb" / "capt" / "results.json"
+    cell.parent.mkdir(parents=True)
+    damaged = _damage(good, how)
+    cell.write_text(damaged if isinstance(damaged, str) else json.dumps(damaged))
+    argv = ["sweep", "--tasks", "cb", "--methods", "capt", "--output-dir", str(tmp_path), "--finished-only",
+            "--data-dir", str(DATA)]  # fmt: skip
+    err = _error(capsys, argv)
+    assert err.splitlines()[-1].startswith(f"capt sweep: error: {cell} is damaged"), err
+
+    cell.unlink()
+    point = cell.parent / "grid" / "lr-0.01" / "results.json"
+    point.parent.mkdir(parents=True)
+    run = {k: v for k, v in good.items() if k not in ("chosen_lr", "grid", "epochs_to_best", "seconds_to_best")}
+    if how in ("no task", "no grid"):  # what the progress line reads of a grid point: its time
+        damaged = {k: v for k, v in run.items() if k != "wall_time_s"}
+    elif how == "a wrong type":
+        damaged = {**run, "wall_time_s": "slow"}
+    else:
+        damaged = _damage(run, how)
+    point.write_text(damaged if isinstance(damaged, str) else json.dumps(damaged))
+    err = _error(capsys, argv)
+    assert err.splitlines()[-1].startswith(f"capt sweep: error: {point} is damaged"), err

@@ -29,8 +29,10 @@ from .run import (
     RUN_CONFIG_NAME,
     RunConfig,
     describe_differences,
+    read_json,
     read_results,
     read_run_config,
+    reading_back,
     run_lock,
     setting_differences,
 )
@@ -242,7 +244,7 @@ def sweep(
     grids = [lr_grid.get(c.method) or default_lr_grid(c.method) for c in configs]
     done = [root / c.task / c.method / RESULTS_NAME for c in configs]
     if finished_only:
-        cells = [json.loads(path.read_text()) for path in done if path.exists()]
+        cells = [_read_cell(path) for path in done if path.exists()]
     else:
         cells = [_sweep_cell(c, root, grid, seeds, overwrite, extend) for c, grid in zip(configs, grids, strict=True)]
     tasks = list(dict.fromkeys(c.task for c in configs))
@@ -390,14 +392,14 @@ def cell_progress(cell: Path, grid: list[float], seeds: int, extend: int = 0) ->
     beyond = sorted(set((cell / "grid").glob(f"*/{RESULTS_NAME}")) - set(grid_runs))
     seed_runs = [cell / f"seed-{seed}" / RESULTS_NAME for seed in range(1, seeds)]
     finished = [path for path in grid_runs + seed_runs if path.exists()] + beyond
-    results = {path: json.loads(path.read_text()) for path in finished}
+    results = {path: read_json(path) for path in finished}
     maybe = max(extend - len(beyond), 0)
     if maybe and all(path in results for path in grid_runs):
         # Folder names hold the rate to 6 significant digits: enough to order the rates and find the best.
-        validation = {
-            grid_point_rate(path.parent.name): results[path]["runs"][0]["best_validation_score"]
-            for path in grid_runs + beyond
-        }
+        validation = {}
+        for path in grid_runs + beyond:
+            with reading_back(path):
+                validation[grid_point_rate(path.parent.name)] = results[path]["runs"][0]["best_validation_score"]
         maybe = maybe if next_rate_beyond_edge(validation) is not None else 0
     return CellProgress(
         task=cell.parent.name,
@@ -409,8 +411,22 @@ def cell_progress(cell: Path, grid: list[float], seeds: int, extend: int = 0) ->
         more_seeds=len(seed_runs),
         left=sum(not p.exists() for p in grid_runs + seed_runs),
         maybe=maybe,
-        minutes=tuple(results[path]["wall_time_s"] / 60 for path in finished),
+        minutes=tuple(_wall_minutes(path, results[path]) for path in finished),
     )
+
+
+def _wall_minutes(path: Path, results: dict[str, Any]) -> float:
+    """A run's minutes (a summary's `wall_time_s`, as every results.json has); a damaged file is named."""
+    with reading_back(path):
+        return results["wall_time_s"] / 60
+
+
+def _read_cell(path: Path) -> dict[str, Any]:
+    """A sweep cell's results.json, checked by tabulating it alone: a damaged one is a ValueError naming it."""
+    cell = read_json(path)
+    with reading_back(path):
+        sweep_table([cell], [], [cell["task"]])
+    return cell
 
 
 def work_left(progress: list[CellProgress], root: Path) -> str:
@@ -429,7 +445,7 @@ def work_left(progress: list[CellProgress], root: Path) -> str:
     runs: dict[tuple[str, str], list[float]] = {}
     for path in [*root.glob(f"*/*/grid/*/{RESULTS_NAME}"), *root.glob(f"*/*/seed-*/{RESULTS_NAME}")]:
         task, method = path.relative_to(root).parts[:2]
-        runs.setdefault((task, method), []).append(json.loads(path.read_text())["wall_time_s"] / 60)
+        runs.setdefault((task, method), []).append(_wall_minutes(path, read_json(path)))
     minutes_of = run_minutes_model({cell: statistics.fmean(minutes) for cell, minutes in runs.items()})
     hours: dict[str, float] = {}
     unpaced: list[str] = []

@@ -404,16 +404,39 @@ def run_lock(run_dir: str | Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def read_results(path: Path) -> dict:
-    """A results.json as the summary over seeds. A run killed between its seed's results and the summary (one
-    seed: the same file) left a seed's results: it is summarised here and the file completed."""
-    from .reporting import aggregate_seeds
-
+@contextlib.contextmanager
+def reading_back(path: Path) -> typing.Iterator[None]:
+    """Errors of the block, which reads back what `path` holds, as one ValueError naming the file: a results file
+    damaged by hand or by a foreign writer lacks a key or holds a wrong type, and says so, not `KeyError`."""
     try:
-        results = json.loads(path.read_text())
+        yield
+    except (KeyError, TypeError, IndexError, AttributeError, ValueError) as err:
+        if isinstance(err, ValueError) and str(path) in str(err):
+            raise  # names the file already
+        problem = f"no {err}" if isinstance(err, KeyError) else f"{type(err).__name__}: {err}"
+        raise ValueError(f"{path} is damaged ({problem}); rerun that run with --overwrite") from err
+
+
+def read_json(path: Path) -> typing.Any:
+    """The JSON in `path`; text that is not JSON (or not UTF-8) is a ValueError naming the file."""
+    try:
+        return json.loads(path.read_bytes())
     except ValueError as err:
         raise ValueError(f"{path} is damaged ({err}); rerun that run with --overwrite") from err
-    if "runs" not in results:
+
+
+def read_results(path: Path) -> dict:
+    """A results.json as the summary over seeds. A run killed between its seed's results and the summary (one
+    seed: the same file) left a seed's results: it is summarised here and the file completed. A damaged file is
+    a ValueError naming it."""
+    from .reporting import aggregate_seeds
+
+    results = read_json(path)
+    with reading_back(path):
+        if not isinstance(results, dict):
+            raise TypeError(f"expected an object, got {type(results).__name__}")
+        if "runs" in results:
+            return results
         results = aggregate_seeds([results])
         from ..saving import atomic_write_text
 
