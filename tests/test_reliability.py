@@ -3,6 +3,7 @@ one line naming the file (and line) or the flag, damaged results name their file
 
 import json
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,30 @@ def test_every_read_back_error_of_a_damaged_sweep_cell_names_its_file(how, tmp_p
     point.write_text(damaged if isinstance(damaged, str) else json.dumps(damaged))
     err = _error(capsys, argv)
     assert err.splitlines()[-1].startswith(f"capt sweep: error: {point} is damaged"), err
+
+
+def test_a_finished_run_without_its_weights_tabulates_but_every_command_that_needs_them_names_the_file(
+    tmp_path, capsys
+):
+    """Scores come from results.json (a study is committed without weights, and `sweep --finished-only` still
+    tabulates it: tests/test_decoder_pipeline.py); eval, predict and serve need the weights and name what is gone."""
+    run = tmp_path / "cb"
+    assert main(["train", *TINY, "--data-dir", str(DATA), "--output-dir", str(run)]) == 0
+    capsys.readouterr()
+    (run / "trainable.safetensors").unlink()
+    for file in (run / "adapter").iterdir():
+        file.unlink()
+    (run / "adapter").rmdir()
+    gone = "the run finished (its scores are in results.json) but its weights are gone"
+    err = _error(capsys, ["eval", "--adapter", str(run), "--data-dir", str(DATA)])
+    assert f"no trainable.safetensors in {run}: {gone}" in err, err
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({**json.loads((DATA / "CB" / "val.jsonl").read_text().splitlines()[0]), "task": "cb"}))
+    output = str(tmp_path / "predictions.jsonl")
+    err = _error(capsys, ["predict", "--adapters", f"cb={run}", "--input", str(source), "--output", output])
+    assert f"no adapter in {run}: {gone}" in err, err
+    with socket.socket() as probe:  # a free port: the adapter is what is refused
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    err = _error(capsys, ["serve", "--model", "tiny-llama", "--adapters", f"cb={run}", "--port", str(port)])
+    assert f"no adapter in {run}: {gone}" in err, err

@@ -20,7 +20,7 @@ from .backbones import load_backbone
 from .data import TASKS, DataFormatError, Example, is_choice_task, parse_record
 from .data.superglue import read_jsonl
 from .formats import EncoderFormat, TaskFormat, head_outputs, make_format
-from .run import ADAPTER_DIR, read_run_config
+from .run import ADAPTER_DIR, missing_weights, read_run_config
 
 
 def read_mixed_input(path: Path, tasks: set[str]) -> list[tuple[int, str, list[Example]]]:
@@ -94,6 +94,9 @@ def predict_file(runs: dict[str, Path], input_path: Path, output_path: Path, bat
     models = {config.model for config in configs.values()}
     if len(models) > 1:
         raise ValueError(f"the runs use different backbones {sorted(models)}; a bank shares one")
+    for run in runs.values():
+        if not (run / ADAPTER_DIR).is_dir():
+            raise missing_weights(run / ADAPTER_DIR)
     first = next(iter(configs.values()))
     backbone = load_backbone(first.model, num_labels=head_outputs(first.task))
     bank = load_bank(backbone.model, {task: runs[task] / ADAPTER_DIR for task in runs})

@@ -335,10 +335,29 @@ def load_run(run_dir: str | Path) -> tuple[RunConfig, nn.Module, TaskFormat]:
     return config, model, fmt
 
 
+def missing_weights(path: Path) -> FileNotFoundError:
+    """The error for a run's weights file or adapter folder `path` that is missing where the weights are needed
+    (eval, predict, serve, analyze). A run whose results.json holds its scores is finished: tabulating it
+    (`compare`, `sweep`) reads only the scores, so a study committed without its weights still tabulates, and
+    only a command that loads the weights names the missing file.
+
+    Example:
+        >>> str(missing_weights(Path("runs/none/adapter")))
+        'no adapter in runs/none: the run did not finish (train it with --resume)'
+    """
+    run_dir = path.parent
+    if (run_dir / RESULTS_NAME).is_file():
+        return FileNotFoundError(
+            f"no {path.name} in {run_dir}: the run finished (its scores are in {RESULTS_NAME}) but its weights are "
+            "gone; this command needs them: train it again with --overwrite"
+        )
+    return FileNotFoundError(f"no {path.name} in {run_dir}: the run did not finish (train it with --resume)")
+
+
 def read_trainable(path: Path) -> dict[str, torch.Tensor]:
     """The weights file of a run, or a ValueError saying it is missing, torn or holds NaN/inf."""
     if not path.is_file():
-        raise FileNotFoundError(f"no {path.name} in {path.parent}: the run did not finish (train it with --resume)")
+        raise missing_weights(path)
     try:
         state = load_file(path)
     except (SafetensorError, OSError) as err:

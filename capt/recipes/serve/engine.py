@@ -29,7 +29,7 @@ from ...model import CaptModel
 from ..data import TASKS, Example, parse_record
 from ..formats import TaskFormat, make_format
 from ..predict import Scored, score_examples
-from ..run import ADAPTER_DIR, read_run_config
+from ..run import ADAPTER_DIR, RUN_CONFIG_NAME, missing_weights, read_run_config
 
 BASE_MODEL = "base"  # the `model` name that runs the frozen backbone without capsules
 
@@ -97,6 +97,8 @@ class AdapterInfo:
 def adapter_folder(path: str | Path) -> tuple[Path, AdapterInfo]:
     """An adapter folder, or the `adapter/` folder of a `capt train` run, with what the run says of its task."""
     directory = Path(path)
+    if (directory / RUN_CONFIG_NAME).is_file() and not (directory / ADAPTER_DIR).is_dir():
+        raise missing_weights(directory / ADAPTER_DIR)  # a run folder without its adapter
     if (directory / ADAPTER_DIR).is_dir():
         config = read_run_config(directory)
         return directory / ADAPTER_DIR, AdapterInfo(str(directory), config.task, config.max_length)
