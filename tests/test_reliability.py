@@ -162,3 +162,32 @@ def test_a_finished_run_without_its_weights_tabulates_but_every_command_that_nee
         port = probe.getsockname()[1]
     err = _error(capsys, ["serve", "--model", "tiny-llama", "--adapters", f"cb={run}", "--port", str(port)])
     assert f"no adapter in {run}: {gone}" in err, err
+
+
+def test_a_full_disk_while_the_learning_curves_are_drawn_names_the_file_and_resume_finishes(
+    tmp_path, capsys, monkeypatch
+):
+    """The PNG's write fails with ENOSPC (the last file a run writes): the error names it, the run stays
+    resumable, a plain rerun says --resume, and --resume finishes it with nothing stale left."""
+    import errno
+
+    import matplotlib.figure
+
+    from capt.recipes import reporting
+
+    run = tmp_path / "cb"
+    argv = ["train", *TINY, "--data-dir", str(DATA), "--output-dir", str(run)]
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def full_disk(self, target, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full_disk)
+    err = _error(capsys, argv)
+    assert f"could not write {run / reporting.CURVES_PNG} (" in err and "No space left on device" in err
+    assert "--resume" in err and (run / "checkpoint.pt").exists() and not (run / reporting.CURVES_PNG).exists()
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", real_savefig)
+    assert "pass --resume" in _error(capsys, argv)
+    assert main([*argv, "--resume"]) == 0
+    assert (run / reporting.CURVES_PNG).stat().st_size > 0 and not (run / "checkpoint.pt").exists()
+    assert not list(run.glob(".*.tmp"))
