@@ -191,3 +191,43 @@ def test_a_full_disk_while_the_learning_curves_are_drawn_names_the_file_and_resu
     assert main([*argv, "--resume"]) == 0
     assert (run / reporting.CURVES_PNG).stat().st_size > 0 and not (run / "checkpoint.pt").exists()
     assert not list(run.glob(".*.tmp"))
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL in-process: no `except Exception` catches it, nothing after it runs."""
+
+
+def test_resume_with_more_seeds_continues_a_killed_one_seed_run(tmp_path, capsys, monkeypatch):
+    """A one-seed run killed after two checkpoints, then `--resume --seeds 2`: seed 0 continues from that
+    checkpoint (not trained again), seed 1 is trained, and no stale checkpoint.pt is left anywhere."""
+    from capt.recipes import experiments, train
+
+    run = tmp_path / "cb"
+    argv = ["train", *TINY, "--data-dir", str(DATA), "--output-dir", str(run), "--epochs", "2", "--batch-size", "4"]
+    argv += ["--checkpoint-every", "2"]
+    checkpoints = []
+
+    def kill_at_the_third_checkpoint(name):
+        checkpoints.append(name) if name == "checkpoint" else None
+        if checkpoints.count("checkpoint") == 3:
+            raise Killed
+
+    monkeypatch.setattr(train, "pause_point", kill_at_the_third_checkpoint)
+    with pytest.raises(Killed):
+        main(argv)
+    assert (run / "checkpoint.pt").exists() and not (run / "results.json").exists()
+    monkeypatch.setattr(train, "pause_point", lambda name: None)
+
+    calls = []
+    real_train = experiments.train
+    monkeypatch.setattr(
+        experiments, "train", lambda c, resume=False: calls.append((c.seed, resume)) or real_train(c, resume)
+    )
+    assert main([*argv, "--seeds", "2", "--resume"]) == 0
+    assert calls == [(0, True), (1, False)]
+    assert not list(run.rglob("checkpoint.pt"))
+    assert len(json.loads((run / "results.json").read_text())["runs"]) == 2
+    steps = [json.loads(line) for line in (run / "seed-0" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps if r["kind"] == "step"] == list(range(1, 9))  # continued, not restarted
+    calls.clear()
+    assert main([*argv, "--seeds", "2", "--resume"]) == 0 and calls == []  # finished: read back

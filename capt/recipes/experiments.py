@@ -25,6 +25,7 @@ from .reporting import aggregate_seeds, comparison_table
 from .run import (
     CHECKPOINT_NAME,
     DEFAULT_LR,
+    LOCK_NAME,
     RESULTS_NAME,
     RUN_CONFIG_NAME,
     RunConfig,
@@ -72,6 +73,8 @@ def _train_seeds_locked(config: RunConfig, seeds: int, overwrite: bool, resume: 
         if not (overwrite or resume):
             raise FileExistsError(f"{out} already holds {RESULTS_NAME}; pass --overwrite to replace it")
 
+    if resume and seeds > 1:
+        _adopt_one_seed_run(config, seeds)
     # Several seeds resume from any finished seed too (a kill between two seeds leaves no checkpoint).
     progress = [*out.rglob(CHECKPOINT_NAME), *(out.glob(f"seed-*/{RESULTS_NAME}") if seeds > 1 else [])]
     if resume and not progress:
@@ -91,6 +94,31 @@ def _train_seeds_locked(config: RunConfig, seeds: int, overwrite: bool, resume: 
     pause_point("summary")
     atomic_write_text(out / RESULTS_NAME, json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _adopt_one_seed_run(config: RunConfig, seeds: int) -> None:
+    """A one-seed run killed in output_dir is the first seed of a several-seed run of the same settings: `--resume
+    --seeds N` moves its files into that seed's folder, so that it continues from its checkpoint instead of being
+    trained again, and no stale checkpoint is left where `compare` and `sweep` would read an unfinished run."""
+    out = Path(config.output_dir)
+    interrupted = interrupted_settings(out)
+    if interrupted is None:
+        return
+    first = seed_configs(config, seeds)[0]
+    settings, revision = interrupted
+    differing = setting_differences(dataclasses.replace(first, output_dir=str(out)), settings)
+    if differing or revision != method_revision(config.method):
+        raise ValueError(
+            f"{out / CHECKPOINT_NAME} is a one-seed run with other settings "
+            f"({describe_differences(differing) or 'another method revision'}); resume it with them, or --overwrite"
+        )
+    target = Path(first.output_dir)
+    if target.exists() and any(target.iterdir()):
+        raise FileExistsError(f"{out} holds a one-seed run and {target} another run of seed {first.seed}; --overwrite")
+    target.mkdir(parents=True, exist_ok=True)
+    for item in out.iterdir():
+        if item.is_file() and item.name != LOCK_NAME:
+            item.rename(target / item.name)  # same folder tree: atomic, nothing copied
 
 
 def compare(configs: list[RunConfig], seeds: int, overwrite: bool) -> str:
