@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import socket
 from pathlib import Path
 
 import pytest
@@ -460,6 +461,27 @@ def test_a_name_given_twice_is_refused(argv, message, tmp_path, capsys):
 def test_bad_serve_limits_are_refused_before_the_model_loads(flags, message, capsys):
     err = _error(capsys, ["serve", "--model", "tiny-llama", "--adapters", "a=nowhere", *flags])
     assert message in err
+
+
+def test_bad_serve_arguments_are_refused_before_anything_loads(tmp_path, capsys):
+    """A port out of range or in use, a host that does not resolve, a missing adapter folder: one line naming the
+    argument, before the model loads (the model named here does not exist, so loading it would fail otherwise)."""
+    run = ["serve", "--model", str(tmp_path / "no-model"), "--adapters", f"a={tmp_path}"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cases = [
+            (["--port", "70000"], "--port must be 1 to 65535, got 70000"),
+            (["--port", "-1"], "--port must be 1 to 65535, got -1"),
+            (["--port", str(port)], f"--host 127.0.0.1 --port {port}: cannot listen there"),
+            (["--host", "no-such-host.invalid"], "--host 'no-such-host.invalid': cannot be resolved"),
+        ]
+        for flags, message in cases:
+            err = _error(capsys, [*run, *flags])
+            assert message in err and "internal error" not in err and "no-model" not in err, err
+    missing = _error(capsys, [*run[:4], f"a={tmp_path},b={tmp_path / 'gone'}", "--port", str(port)])
+    assert f"{tmp_path / 'gone'}: no such adapter folder" in missing and "no-model" not in missing
 
 
 def test_a_finished_run_is_read_back_only_under_its_own_settings(finished_run, tmp_path, capsys):

@@ -400,3 +400,104 @@ def test_requests_join_and_leave_a_running_batch_without_changing_its_answer(ser
     assert "".join(parts) == alone
     assert len(parts) > mates_done[0]  # A still streamed after B and C had their answers
     assert _metrics(server)["capt_batch_joins_total"] == joins + 2
+
+
+def refused(response, field: str, status: int = 422) -> bool:
+    """Whether `response` is a JSON error with `status` whose message names `field`."""
+    return response.status_code == status and field in response.json()["error"]["message"]
+
+
+def test_sampling_fields_are_checked_to_what_the_sampler_can_use(server):
+    """Every sampling field is refused (422, naming it) outside what the sampler takes, with OpenAI's strict
+    types; inside, even an extreme value is served: a tiny temperature samples what greedy decoding gives."""
+    client = server.client
+    body = {"model": "rte", "prompt": PROMPTS[0], "max_tokens": 6}
+    bad = {
+        "seed": [2**64, -(2**63) - 1, 1.5, "7", True],
+        "max_tokens": [True, 2.0, "8", 0],
+        "temperature": [True, "0.5", -0.1, 2.5],
+        "top_p": [0, 1.5, False],
+        "stop": [["a", "b", "c", "d", "e"], [""], 5],
+        "stream": ["yes", 1],
+        "prompt": [5, ["a"], None],
+        "model": [3],
+        "user": [7],
+    }
+    for field, values in bad.items():
+        for value in values:
+            response = client.post("/v1/completions", json={**body, field: value})
+            assert refused(response, field), (field, value, response.text)
+    for constant in ("NaN", "Infinity"):
+        raw = json.dumps(body)[:-1] + f', "temperature": {constant}}}'
+        response = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert response.status_code in (400, 422) and "temperature" in response.text, response.text
+    greedy = complete(client, **body)["choices"][0]["text"]
+    assert complete(client, **body, temperature=1e-40, seed=2**64 - 1)["choices"][0]["text"] == greedy
+    assert complete(client, **body, temperature=1e-300, seed=-(2**63))["choices"][0]["text"] == greedy
+    assert complete(client, **body, temperature=2, top_p=1e-300, seed=1)["choices"][0]["text"] == greedy
+
+
+def post_ascii(client, path: str, body: dict):
+    """POST `body` as ASCII JSON: a lone surrogate travels escaped ("\\udfff"), as any JSON client may send it."""
+    return client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+
+
+def test_text_the_tokenizer_cannot_take_is_refused_naming_the_field(server, caplog):
+    """A lone surrogate is valid JSON but no text: 422 naming where it is, never a 500 or a logged traceback."""
+    client = server.client
+    record = {**json.loads((DATA / "RTE" / "val.jsonl").read_text().splitlines()[0]), "task": "rte"}
+    with caplog.at_level("ERROR"):
+        for field, body in [
+            ("prompt", {"model": "rte", "prompt": "a\udfffb"}),
+            ("stop", {"model": "rte", "prompt": "a", "stop": ["\ud800"]}),
+            ("model", {"model": "\udfff", "prompt": "a"}),
+            ("body", {"model": "rte", "prompt": "a", "\udfff": 1}),  # a key pydantic cannot read as text
+        ]:
+            assert refused(post_ascii(client, "/v1/completions", body), field), field
+        premise = {**record, "premise": record["premise"] + "\udfff"}
+        response = post_ascii(client, "/v1/classify", {"records": [record, premise]})
+        assert refused(response, "records[1].premise"), response.text
+        key = {**record, "\udfff": "x"}
+        assert post_ascii(client, "/v1/classify", {"records": [key]}).status_code == 422
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+    assert client.post("/v1/classify", json={"records": [record]}).status_code == 200
+
+
+def test_the_body_limit_counts_the_bytes_read_not_the_header(server):
+    """A chunked body (no Content-Length) over --max-body-bytes gets 413 as soon as the limit is passed."""
+    limit = server.engine.limits.max_body_bytes
+
+    def chunks():
+        yield b'{"model": "rte", "prompt": "'
+        for _ in range(4 * limit // 65536):
+            yield b"x " * 32768
+        yield b'"}'
+
+    response = server.client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert response.status_code == 413 and str(limit) in response.json()["error"]["message"], response.text
+    assert complete(server.client, model="rte", prompt="still serving", max_tokens=2)
+
+
+def test_a_client_that_hangs_up_on_a_non_streamed_completion_frees_its_row(adapters):
+    limits = Limits(max_tokens=100_000, max_prompt_tokens=64)
+    running = Server(build_engine("tiny-llama", {"rte": adapters["rte"]}, limits))
+    try:
+        body = json.dumps({"model": "rte", "prompt": "hello", "max_tokens": 100_000, "temperature": 0}).encode()
+        port = int(running.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as raw:
+            raw.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                + f"content-length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            deadline = time.monotonic() + 20
+            while not running.engine.decoding and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert running.engine.decoding == 1
+        deadline = time.monotonic() + 5  # 100 000 tokens take minutes: only a freed row ends within this
+        while running.engine.decoding and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert running.engine.decoding == 0
+        assert complete(running.client, model="rte", prompt="next", max_tokens=2)["usage"]["completion_tokens"] == 2
+    finally:
+        running.close()

@@ -1,6 +1,8 @@
 """`capt serve`'s worker on its own (no HTTP): rows of different adapters generating or scored together."""
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -128,3 +130,113 @@ def test_unloading_an_adapter_before_its_classification_runs_fails_that_job_only
         model.load_adapter(tmp_path / "b", adapter_name="b")
     assert events["b"] == [{"error": "adapter 'b' was unloaded while this classification ran"}]
     assert "results" in alone[0] and events["a"] == alone
+
+
+class Waiter:
+    """What the worker tells one job, and when it has said its last word (done or error)."""
+
+    def __init__(self):
+        self.events: list[dict] = []
+        self.finished = threading.Event()
+        self.started = threading.Event()
+
+    def __call__(self, event: dict) -> None:
+        self.events.append(event)
+        self.started.set()
+        if "done" in event or "error" in event or "results" in event:
+            self.finished.set()
+
+    def text(self) -> str:
+        assert self.finished.wait(60) and "done" in self.events[-1], self.events[-1:]
+        return "".join(event.get("text", "") for event in self.events)
+
+    def error(self) -> str:
+        assert self.finished.wait(60) and "error" in self.events[-1], self.events[-1:]
+        return self.events[-1]["error"]
+
+
+@pytest.fixture()
+def live_engine(bank, tmp_path):
+    """The worker thread running over the bank; a batch waits 0.3 s for more jobs, so jobs sent together share
+    it. `batches` records (kind, rows) of every model batch."""
+    model, tokenizer = bank
+    model.set_adapter("a")
+    engine = Engine(model, tokenizer, "decoder", Limits(batch_window_s=0.3))
+    engine.adapters = {name: AdapterInfo(str(tmp_path), "rte", 256) for name in ("a", "b")}
+    engine.batches = []
+    engine.observe = lambda kind, rows: engine.batches.append((kind, rows))
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+def completion(tokenizer, name: str, prompt: str, tokens: int, temperature=0.0, seed=None, ids=None):
+    waiter = Waiter()
+    ids = ids if ids is not None else prompt_ids(tokenizer, prompt)
+    return Completion(name, ids, tokens, temperature, 0.9, seed, [], waiter), waiter
+
+
+def test_a_bad_row_in_a_live_decode_batch_fails_alone(live_engine, bank):
+    """A greedy row decodes; a sampled row and three bad ones (a seed torch refuses, a NaN temperature that
+    breaks sampling, a token id past the vocabulary that breaks the shared prefill) join it together. The bad
+    rows get an error each; the good rows get exactly the text they get alone."""
+    _, tokenizer = bank
+    good = [("a", PROMPTS[0], 40, 0.0, None), ("b", PROMPTS[1], 12, 0.8, 3)]
+    alone = []
+    for name, prompt, tokens, temperature, seed in good:
+        job, waiter = completion(tokenizer, name, prompt, tokens, temperature, seed)
+        live_engine.submit(job)
+        alone.append(waiter.text())
+
+    first, first_waiter = completion(tokenizer, *good[0])
+    live_engine.submit(first)
+    assert first_waiter.started.wait(60)  # decoding now
+    vocab = len(tokenizer)
+    bad = [
+        completion(tokenizer, "b", PROMPTS[1], 8, temperature=0.5, seed=2**70),
+        completion(tokenizer, "a", PROMPTS[1], 8, temperature=float("nan")),
+        completion(tokenizer, "b", PROMPTS[0], 8, ids=[vocab + 5, vocab + 9]),
+    ]
+    second, second_waiter = completion(tokenizer, *good[1])
+    live_engine.batches.clear()
+    for job, _ in [bad[0], bad[1], (second, second_waiter), bad[2]]:
+        live_engine.submit(job)
+    assert [first_waiter.text(), second_waiter.text()] == alone
+    errors = [waiter.error() for _, waiter in bad]
+    assert "seed" in errors[0] and all(errors)
+    assert ("prefill", 4) in live_engine.batches  # the four joined together, then the bad ones failed alone
+    deadline = time.monotonic() + 5  # rows leave right after their last word
+    while live_engine.decoding and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert live_engine.decoding == 0
+
+
+def test_a_bad_record_in_a_live_classify_batch_fails_its_job_alone(live_engine, bank):
+    """Three classify jobs share one forward; one holds a record the tokenizer cannot take (a lone surrogate,
+    past the HTTP checks). That job gets an error naming its record; the others the answers they get alone."""
+    model, tokenizer = bank
+    lines = RTE.read_text().splitlines()
+    good = [live_engine.classification_items([{**json.loads(line), "task": name}]) for line, name in
+            ((lines[0], "a"), (lines[1], "b"))]  # fmt: skip
+    broken = json.loads(lines[2])
+    broken["premise"] += "\udfff"
+    bad_items = live_engine.classification_items([{**json.loads(lines[3]), "task": "a"}, {**broken, "task": "b"}])
+
+    alone = []
+    for items in good:
+        waiter = Waiter()
+        live_engine.submit(Classification(items, waiter))
+        assert waiter.finished.wait(60)
+        alone.append(waiter.events[-1]["results"])
+
+    waiters = [Waiter(), Waiter(), Waiter()]
+    live_engine.batches.clear()
+    for items, waiter in zip([good[0], bad_items, good[1]], waiters, strict=True):
+        live_engine.submit(Classification(items, waiter))
+    assert all(waiter.finished.wait(60) for waiter in waiters)
+    assert live_engine.batches[0] == ("classify", 4)  # one shared forward first
+    assert waiters[1].events[-1]["error"].startswith("records[1] could not be scored")
+    for waiter, expected in zip([waiters[0], waiters[2]], alone, strict=True):
+        (got,) = waiter.events[-1]["results"]
+        assert [s.label for s in got] == [s.label for s in expected[0]]
+        assert [s.scores for s in got] == [pytest.approx(s.scores, abs=1e-5) for s in expected[0]]

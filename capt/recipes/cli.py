@@ -213,8 +213,10 @@ def _read_yaml(path: str) -> dict[str, Any]:
 
     if not Path(path).is_file():
         raise ValueError(f"--config {path}: {'a folder' if Path(path).is_dir() else 'no such file'}; give a YAML file")
+    from .data.superglue import decode_utf8
+
     try:
-        loaded = yaml.load(Path(path).read_text(), Loader=UniqueKeyLoader) or {}
+        loaded = yaml.load(decode_utf8(Path(path).read_bytes(), path), Loader=UniqueKeyLoader) or {}
     except yaml.YAMLError as err:
         raise ValueError(f"{path} is not a valid settings file: {' '.join(str(err).split())}") from err
     if not isinstance(loaded, dict):
@@ -364,6 +366,8 @@ def study_cells(args: argparse.Namespace) -> list[tuple[str, str]]:
 def _train(args: argparse.Namespace) -> int:
     from .experiments import train_seeds
 
+    if args.resume and args.overwrite:  # one would silently win: continuing a run is not starting it again
+        raise ValueError("--resume continues the run in --output-dir, --overwrite starts it again: give one of them")
     config = run_config(args)
     summary = train_seeds(config, args.seeds, args.overwrite, resume=args.resume)
     _print_summary(summary)

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..saving import atomic_write
 from . import formats
-from .data import Example, paper_splits, templates
+from .data import TASKS, Example, paper_splits, templates
 from .formats import NO_OPTION, TaskFormat
 from .metrics import task_metrics
 from .run import RunConfig
@@ -32,7 +32,25 @@ def load_splits(config: RunConfig) -> dict[str, list[Example]]:
     """The paper's train/validation/test splits of config.task, cut to limit_train / limit_eval if set."""
     splits = paper_splits(config.task, config.data_dir, seed=config.split_seed)
     limits = {"train": config.limit_train, "validation": config.limit_eval, "test": config.limit_eval}
-    return {name: examples[: limits[name]] if limits[name] else examples for name, examples in splits.items()}
+    splits = {name: examples[: limits[name]] if limits[name] else examples for name, examples in splits.items()}
+    _warn_of_untrained_classes(config.task, splits)
+    return splits
+
+
+def _warn_of_untrained_classes(task: str, splits: dict[str, list[Example]]) -> None:
+    """Warn, naming it, of a class that validation or test holds and training does not: it is never learnt, and
+    its examples are scored wrong whatever the method (ReCoRD's labels index each example's own candidates)."""
+    if task == "record":
+        return
+    trained = {ex.label for ex in splits["train"]}
+    for split in ("validation", "test"):
+        untrained = sorted({ex.label for ex in splits[split] if ex.label is not None} - trained)
+        for label in untrained:
+            warnings.warn(
+                f"{task}: the {split} split holds class {TASKS[task].labels[label]!r}, which no training example "
+                "has (check the data, or --limit-train): it is never learnt",
+                stacklevel=3,
+            )
 
 
 @cache

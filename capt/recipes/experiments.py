@@ -25,12 +25,15 @@ from .reporting import aggregate_seeds, comparison_table
 from .run import (
     CHECKPOINT_NAME,
     DEFAULT_LR,
+    LOCK_NAME,
     RESULTS_NAME,
     RUN_CONFIG_NAME,
     RunConfig,
     describe_differences,
+    read_json,
     read_results,
     read_run_config,
+    reading_back,
     run_lock,
     setting_differences,
 )
@@ -70,6 +73,8 @@ def _train_seeds_locked(config: RunConfig, seeds: int, overwrite: bool, resume: 
         if not (overwrite or resume):
             raise FileExistsError(f"{out} already holds {RESULTS_NAME}; pass --overwrite to replace it")
 
+    if resume and seeds > 1:
+        _adopt_one_seed_run(config, seeds)
     # Several seeds resume from any finished seed too (a kill between two seeds leaves no checkpoint).
     progress = [*out.rglob(CHECKPOINT_NAME), *(out.glob(f"seed-*/{RESULTS_NAME}") if seeds > 1 else [])]
     if resume and not progress:
@@ -89,6 +94,31 @@ def _train_seeds_locked(config: RunConfig, seeds: int, overwrite: bool, resume: 
     pause_point("summary")
     atomic_write_text(out / RESULTS_NAME, json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _adopt_one_seed_run(config: RunConfig, seeds: int) -> None:
+    """A one-seed run killed in output_dir is the first seed of a several-seed run of the same settings: `--resume
+    --seeds N` moves its files into that seed's folder, so that it continues from its checkpoint instead of being
+    trained again, and no stale checkpoint is left where `compare` and `sweep` would read an unfinished run."""
+    out = Path(config.output_dir)
+    interrupted = interrupted_settings(out)
+    if interrupted is None:
+        return
+    first = seed_configs(config, seeds)[0]
+    settings, revision = interrupted
+    differing = setting_differences(dataclasses.replace(first, output_dir=str(out)), settings)
+    if differing or revision != method_revision(config.method):
+        raise ValueError(
+            f"{out / CHECKPOINT_NAME} is a one-seed run with other settings "
+            f"({describe_differences(differing) or 'another method revision'}); resume it with them, or --overwrite"
+        )
+    target = Path(first.output_dir)
+    if target.exists() and any(target.iterdir()):
+        raise FileExistsError(f"{out} holds a one-seed run and {target} another run of seed {first.seed}; --overwrite")
+    target.mkdir(parents=True, exist_ok=True)
+    for item in out.iterdir():
+        if item.is_file() and item.name != LOCK_NAME:
+            item.rename(target / item.name)  # same folder tree: atomic, nothing copied
 
 
 def compare(configs: list[RunConfig], seeds: int, overwrite: bool) -> str:
@@ -242,7 +272,7 @@ def sweep(
     grids = [lr_grid.get(c.method) or default_lr_grid(c.method) for c in configs]
     done = [root / c.task / c.method / RESULTS_NAME for c in configs]
     if finished_only:
-        cells = [json.loads(path.read_text()) for path in done if path.exists()]
+        cells = [_read_cell(path) for path in done if path.exists()]
     else:
         cells = [_sweep_cell(c, root, grid, seeds, overwrite, extend) for c, grid in zip(configs, grids, strict=True)]
     tasks = list(dict.fromkeys(c.task for c in configs))
@@ -390,14 +420,14 @@ def cell_progress(cell: Path, grid: list[float], seeds: int, extend: int = 0) ->
     beyond = sorted(set((cell / "grid").glob(f"*/{RESULTS_NAME}")) - set(grid_runs))
     seed_runs = [cell / f"seed-{seed}" / RESULTS_NAME for seed in range(1, seeds)]
     finished = [path for path in grid_runs + seed_runs if path.exists()] + beyond
-    results = {path: json.loads(path.read_text()) for path in finished}
+    results = {path: read_json(path) for path in finished}
     maybe = max(extend - len(beyond), 0)
     if maybe and all(path in results for path in grid_runs):
         # Folder names hold the rate to 6 significant digits: enough to order the rates and find the best.
-        validation = {
-            grid_point_rate(path.parent.name): results[path]["runs"][0]["best_validation_score"]
-            for path in grid_runs + beyond
-        }
+        validation = {}
+        for path in grid_runs + beyond:
+            with reading_back(path):
+                validation[grid_point_rate(path.parent.name)] = results[path]["runs"][0]["best_validation_score"]
         maybe = maybe if next_rate_beyond_edge(validation) is not None else 0
     return CellProgress(
         task=cell.parent.name,
@@ -409,8 +439,22 @@ def cell_progress(cell: Path, grid: list[float], seeds: int, extend: int = 0) ->
         more_seeds=len(seed_runs),
         left=sum(not p.exists() for p in grid_runs + seed_runs),
         maybe=maybe,
-        minutes=tuple(results[path]["wall_time_s"] / 60 for path in finished),
+        minutes=tuple(_wall_minutes(path, results[path]) for path in finished),
     )
+
+
+def _wall_minutes(path: Path, results: dict[str, Any]) -> float:
+    """A run's minutes (a summary's `wall_time_s`, as every results.json has); a damaged file is named."""
+    with reading_back(path):
+        return results["wall_time_s"] / 60
+
+
+def _read_cell(path: Path) -> dict[str, Any]:
+    """A sweep cell's results.json, checked by tabulating it alone: a damaged one is a ValueError naming it."""
+    cell = read_json(path)
+    with reading_back(path):
+        sweep_table([cell], [], [cell["task"]])
+    return cell
 
 
 def work_left(progress: list[CellProgress], root: Path) -> str:
@@ -429,7 +473,7 @@ def work_left(progress: list[CellProgress], root: Path) -> str:
     runs: dict[tuple[str, str], list[float]] = {}
     for path in [*root.glob(f"*/*/grid/*/{RESULTS_NAME}"), *root.glob(f"*/*/seed-*/{RESULTS_NAME}")]:
         task, method = path.relative_to(root).parts[:2]
-        runs.setdefault((task, method), []).append(json.loads(path.read_text())["wall_time_s"] / 60)
+        runs.setdefault((task, method), []).append(_wall_minutes(path, read_json(path)))
     minutes_of = run_minutes_model({cell: statistics.fmean(minutes) for cell, minutes in runs.items()})
     hours: dict[str, float] = {}
     unpaced: list[str] = []

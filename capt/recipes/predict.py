@@ -20,7 +20,7 @@ from .backbones import load_backbone
 from .data import TASKS, DataFormatError, Example, is_choice_task, parse_record
 from .data.superglue import read_jsonl
 from .formats import EncoderFormat, TaskFormat, head_outputs, make_format
-from .run import ADAPTER_DIR, read_run_config
+from .run import ADAPTER_DIR, missing_weights, read_run_config
 
 
 def read_mixed_input(path: Path, tasks: set[str]) -> list[tuple[int, str, list[Example]]]:
@@ -80,7 +80,13 @@ def score_examples(bank: CaptModel, items: list[tuple[str, TaskFormat, Example]]
 
 
 def predict_file(runs: dict[str, Path], input_path: Path, output_path: Path, batch_size: int = 32) -> int:
-    """Write one prediction per example of `input_path` (in input order) to `output_path`; returns the count."""
+    """Write one prediction per example of `input_path` (in input order) to `output_path`; returns the count.
+    An output that is the input (the same path, a link to it, or the same file under another name) is refused
+    before anything is read: the input is never touched."""
+    if output_path.resolve() == input_path.resolve() or (
+        output_path.exists() and input_path.exists() and output_path.samefile(input_path)
+    ):
+        raise ValueError(f"--output {output_path} is the --input file {input_path}; write the predictions elsewhere")
     configs = {task: read_run_config(run) for task, run in runs.items()}
     for task, config in configs.items():
         if config.task != task or config.method != "capt":
@@ -88,6 +94,9 @@ def predict_file(runs: dict[str, Path], input_path: Path, output_path: Path, bat
     models = {config.model for config in configs.values()}
     if len(models) > 1:
         raise ValueError(f"the runs use different backbones {sorted(models)}; a bank shares one")
+    for run in runs.values():
+        if not (run / ADAPTER_DIR).is_dir():
+            raise missing_weights(run / ADAPTER_DIR)
     first = next(iter(configs.values()))
     backbone = load_backbone(first.model, num_labels=head_outputs(first.task))
     bank = load_bank(backbone.model, {task: runs[task] / ADAPTER_DIR for task in runs})

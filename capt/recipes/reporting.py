@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from .. import __version__
-from ..saving import atomic_write_text
+from ..saving import atomic_write, atomic_write_text
 from .metrics import superglue_average
 
 LOG_JSONL = "metrics.jsonl"
@@ -160,8 +160,10 @@ def plot_learning_curves(directory: Path) -> Path:
     right.set(xlabel="epoch", ylabel="validation score", title="validation")
     figure.tight_layout()
     path = directory / CURVES_PNG
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    try:  # atomically: a full disk leaves the previous picture (or none), never a torn one; the error names it
+        atomic_write(path, lambda tmp: figure.savefig(tmp, dpi=100, format="png"))
+    finally:
+        plt.close(figure)
     return path
 
 

@@ -316,6 +316,11 @@ def build_model(config: RunConfig) -> tuple[nn.Module, TaskFormat]:
                 f"--max-length {max_length} is beyond the {backbone.max_positions} positions of {config.model}"
             )
         max_length = min(max_length, backbone.max_positions - extra_positions(config.method, config.method_options()))
+    if config.t5_generate and backbone.family != "encoder-decoder":
+        warnings.warn(
+            f"--t5-generate applies to T5 (encoder-decoder) models only; {config.model} is {backbone.family}: ignored",
+            stacklevel=2,
+        )
     fmt = make_format(
         backbone.family, config.task, backbone.tokenizer, max_length, config.t5_generate, config.decoder_head
     )
@@ -330,10 +335,29 @@ def load_run(run_dir: str | Path) -> tuple[RunConfig, nn.Module, TaskFormat]:
     return config, model, fmt
 
 
+def missing_weights(path: Path) -> FileNotFoundError:
+    """The error for a run's weights file or adapter folder `path` that is missing where the weights are needed
+    (eval, predict, serve, analyze). A run whose results.json holds its scores is finished: tabulating it
+    (`compare`, `sweep`) reads only the scores, so a study committed without its weights still tabulates, and
+    only a command that loads the weights names the missing file.
+
+    Example:
+        >>> str(missing_weights(Path("runs/none/adapter")))
+        'no adapter in runs/none: the run did not finish (train it with --resume)'
+    """
+    run_dir = path.parent
+    if (run_dir / RESULTS_NAME).is_file():
+        return FileNotFoundError(
+            f"no {path.name} in {run_dir}: the run finished (its scores are in {RESULTS_NAME}) but its weights are "
+            "gone; this command needs them: train it again with --overwrite"
+        )
+    return FileNotFoundError(f"no {path.name} in {run_dir}: the run did not finish (train it with --resume)")
+
+
 def read_trainable(path: Path) -> dict[str, torch.Tensor]:
     """The weights file of a run, or a ValueError saying it is missing, torn or holds NaN/inf."""
     if not path.is_file():
-        raise FileNotFoundError(f"no {path.name} in {path.parent}: the run did not finish (train it with --resume)")
+        raise missing_weights(path)
     try:
         state = load_file(path)
     except (SafetensorError, OSError) as err:
@@ -399,16 +423,39 @@ def run_lock(run_dir: str | Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def read_results(path: Path) -> dict:
-    """A results.json as the summary over seeds. A run killed between its seed's results and the summary (one
-    seed: the same file) left a seed's results: it is summarised here and the file completed."""
-    from .reporting import aggregate_seeds
-
+@contextlib.contextmanager
+def reading_back(path: Path) -> typing.Iterator[None]:
+    """Errors of the block, which reads back what `path` holds, as one ValueError naming the file: a results file
+    damaged by hand or by a foreign writer lacks a key or holds a wrong type, and says so, not `KeyError`."""
     try:
-        results = json.loads(path.read_text())
+        yield
+    except (KeyError, TypeError, IndexError, AttributeError, ValueError) as err:
+        if isinstance(err, ValueError) and str(path) in str(err):
+            raise  # names the file already
+        problem = f"no {err}" if isinstance(err, KeyError) else f"{type(err).__name__}: {err}"
+        raise ValueError(f"{path} is damaged ({problem}); rerun that run with --overwrite") from err
+
+
+def read_json(path: Path) -> typing.Any:
+    """The JSON in `path`; text that is not JSON (or not UTF-8) is a ValueError naming the file."""
+    try:
+        return json.loads(path.read_bytes())
     except ValueError as err:
         raise ValueError(f"{path} is damaged ({err}); rerun that run with --overwrite") from err
-    if "runs" not in results:
+
+
+def read_results(path: Path) -> dict:
+    """A results.json as the summary over seeds. A run killed between its seed's results and the summary (one
+    seed: the same file) left a seed's results: it is summarised here and the file completed. A damaged file is
+    a ValueError naming it."""
+    from .reporting import aggregate_seeds
+
+    results = read_json(path)
+    with reading_back(path):
+        if not isinstance(results, dict):
+            raise TypeError(f"expected an object, got {type(results).__name__}")
+        if "runs" in results:
+            return results
         results = aggregate_seeds([results])
         from ..saving import atomic_write_text
 

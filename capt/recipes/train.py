@@ -334,9 +334,12 @@ class TrainingRecipe:
                 pause_point("adapter")
             atomic_write_text(self.out / RESULTS_NAME, json.dumps(results, indent=2) + "\n")
             pause_point("results")
-            self.checkpoint_file.unlink(missing_ok=True)  # the run is complete: nothing left to resume
             self.log.close()
-            plot_learning_curves(self.out)
+            try:  # before the checkpoint goes: a run that fails here (a full disk) can still be finished
+                plot_learning_curves(self.out)
+            except OSError as err:
+                raise OSError(f"{err}; the scores are saved: free space, then finish the run with --resume") from err
+            self.checkpoint_file.unlink(missing_ok=True)  # the run is complete: nothing left to resume
         return results
 
 

@@ -321,16 +321,43 @@ def _load_local(task: str, split: str, root: Path) -> list[Example]:
 
 
 def read_jsonl(path: Path) -> Iterator[tuple[str, int, Any]]:
-    """("file:line", line number, record) per non-empty line; malformed JSON raises DataFormatError saying where."""
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
+    """("file:line", line number, record) per non-empty line; malformed JSON or text that is not UTF-8 raises
+    DataFormatError saying where."""
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            where = f"{path}:{lineno}"
+            line = decode_utf8(raw.removeprefix(b"\xef\xbb\xbf") if lineno == 1 else raw, str(path), lineno)
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 yield where, lineno, json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DataFormatError(f"{where}: malformed JSON ({exc.msg})") from exc
+
+
+def decode_utf8(data: bytes, name: str, first_line: int = 1) -> str:
+    """`data` (the text of file `name`, from line `first_line`) as UTF-8; else DataFormatError naming the file and
+    the line, and saying UTF-16 where the bytes are (a byte-order mark, or NUL bytes: UTF-16 of ASCII text).
+
+    Example:
+        >>> try:
+        ...     decode_utf8(b"ok\\n\\xff", "data.jsonl")
+        ... except ValueError as err:
+        ...     print(err)
+        data.jsonl, line 2: not UTF-8 text (byte 0xff); save the file as UTF-8
+    """
+    utf16 = data.startswith((b"\xff\xfe", b"\xfe\xff")) and first_line == 1
+    nul = data.find(b"\x00")
+    if utf16 or nul >= 0:
+        line = first_line + data[: max(nul, 0)].count(b"\n")
+        raise DataFormatError(f"{name}, line {line}: UTF-16 or binary data, not UTF-8 text; save the file as UTF-8")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = first_line + data[: err.start].count(b"\n")
+        raise DataFormatError(
+            f"{name}, line {line}: not UTF-8 text (byte 0x{data[err.start]:02x}); save the file as UTF-8"
+        ) from None
 
 
 def _hub_example(task: str, row: dict[str, Any], split: str, where: str) -> Example:

@@ -10,8 +10,8 @@ import asyncio
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,40 +19,78 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..chat import prompt_ids as chat_prompt_ids
 from ..data import TASKS
 from .engine import BASE_MODEL, Classification, Completion, Engine, QueueFull
 
 
+def _encodable(text: str) -> str:
+    """Text the tokenizer can take. JSON may carry a lone surrogate ("\\udfff"), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"not valid Unicode: a lone surrogate at character {err.start}") from None
+    return text
+
+
+# OpenAI's API is strict where this service is: a string is a string (not a number), a count an integer (not
+# `true` or 2.0), a flag a boolean. Floats take integers, as JSON does not tell 1 from 1.0.
+Text = Annotated[str, Field(strict=True), AfterValidator(_encodable)]
+Count = Annotated[int, Field(strict=True)]
+Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+Flag = Annotated[bool, Field(strict=True)]
+
+# What torch.Generator.manual_seed takes: a seed outside it would fail inside the decode batch.
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
 class SamplingFields(BaseModel):
-    """The OpenAI sampling fields that `capt serve` honours, shared by completions and chat completions (other
-    fields are refused with 422)."""
+    """The sampling fields every generating route honours, each refused (422, naming it) outside what the sampler
+    can use. `CompletionBody` (and a chat body) subclass it.
+
+    Example:
+        >>> SamplingFields(max_tokens=4, temperature=0.5, stop="\\n").stop
+        '\\n'
+    """
 
     model_config = {"extra": "forbid"}
 
-    model: str
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    user: str | None = None  # accepted and ignored, as the OpenAI client may send it
+    model: Text
+    stream: Flag = False
+    user: Text | None = None  # accepted and ignored, as the OpenAI client may send it
+    max_tokens: Count = Field(16, ge=1)
+    temperature: Number = Field(1.0, ge=0.0, le=2.0)  # 0: greedy; any value above 0 samples (see engine._choose)
+    top_p: Number = Field(1.0, gt=0.0, le=1.0)
+    seed: Count | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    stop: Text | list[Text] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _up_to_four_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > 4 or not all(stops):
+            raise ValueError("up to 4 non-empty strings")
+        return stop
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
 class CompletionBody(SamplingFields):
-    """The OpenAI completions request."""
+    """The OpenAI completions fields that `capt serve` honours (others are refused with 422)."""
 
-    prompt: str
+    prompt: Text
 
 
 class ChatMessage(BaseModel):
     model_config = {"extra": "forbid"}
 
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: Text
 
 
 class ChatCompletionBody(SamplingFields):
@@ -60,8 +98,8 @@ class ChatCompletionBody(SamplingFields):
     `max_tokens` (or OpenAI's newer `max_completion_tokens`) an answer may take up to the server's --max-tokens."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Count | None = Field(None, ge=1)
+    max_completion_tokens: Count | None = Field(None, ge=1)
 
 
 class ClassifyBody(BaseModel):
@@ -69,12 +107,35 @@ class ClassifyBody(BaseModel):
 
     records: list[dict[str, Any]] = Field(min_length=1)
 
+    @field_validator("records")
+    @classmethod
+    def _records_encodable(cls, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for number, record in enumerate(records):
+            _check_encodable(record, f"records[{number}]")
+        return records
+
+
+def _check_encodable(value: Any, where: str) -> None:
+    """Raise ValueError naming the first string (key or value) under `value` that no tokenizer can take."""
+    if isinstance(value, str):
+        try:
+            _encodable(value)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_encodable(key, f"{where} (a key)")
+            _check_encodable(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for number, item in enumerate(value):
+            _check_encodable(item, f"{where}[{number}]")
+
 
 class AdapterBody(BaseModel):
     model_config = {"extra": "forbid"}
 
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
-    path: str
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$", strict=True)
+    path: Text
 
 
 class HTTPError(Exception):
@@ -104,15 +165,21 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
     registry.register(_EngineCounters(engine))
 
     def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+        # A message may quote the request (a key, a model name) and so a lone surrogate, which UTF-8 cannot carry.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, err: HTTPError):
         return error(err.status, err.message, err.kind)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _routing_error(request: Request, err: StarletteHTTPException):  # no such route, method not allowed
+        return error(err.status_code, f"{request.method} {request.url.path}: {err.detail}")
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError):
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in err.errors())
         status = 400 if any(e["type"] == "json_invalid" for e in err.errors()) else 422
         return error(status, problems)
 
@@ -126,14 +193,13 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 requests.labels(route, 401).inc()
                 return error(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error")
-        size = request.headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > limits.max_body_bytes):
-            requests.labels(route, 413).inc()
-            return error(413, f"request body over {limits.max_body_bytes} bytes")
         response = await call_next(request)
         requests.labels(route, response.status_code).inc()
         latency.labels(route).observe(time.perf_counter() - started)
         return response
+
+    # Added before the guard, so inside it: the guard counts its 413s.
+    app.add_middleware(_BodyLimit, limit=limits.max_body_bytes, refuse=error)
 
     def submit(job_factory) -> tuple[Completion | Classification, asyncio.Queue]:
         events: asyncio.Queue = asyncio.Queue()
@@ -156,7 +222,12 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "adapters": len(engine.adapters), "queue_depth": engine.queue.qsize()}
+        return {
+            "status": "ok",
+            "adapters": len(engine.adapters),
+            "queue_depth": engine.queue.qsize(),
+            "decoding": engine.decoding,
+        }
 
     @app.get("/metrics")
     async def metrics():
@@ -210,21 +281,14 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
         return {"object": "classification", "results": results}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody):
-        if engine.family != "decoder":
-            raise HTTPError(400, f"completions need a decoder-only backbone; this one is {engine.family}")
-        if body.model != BASE_MODEL and body.model not in engine.adapters:
-            raise HTTPError(404, f"model {body.model!r} is neither {BASE_MODEL!r} nor a loaded adapter", "not_found")
-        if body.max_tokens > limits.max_tokens:
-            raise HTTPError(400, f"max_tokens: at most {limits.max_tokens}, got {body.max_tokens}")
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if len(stop) > 4 or any(not s for s in stop):
-            raise HTTPError(400, "stop: up to 4 non-empty strings")
-        prompt_ids = engine.tokenizer(body.prompt, add_special_tokens=False)["input_ids"]
+    async def completions(body: CompletionBody, request: Request):
+        check_model(body, body.max_tokens)
+        # In a thread: a long prompt takes a while to tokenise, and the event loop serves every other client.
+        prompt_ids = (await asyncio.to_thread(engine.tokenizer, body.prompt, add_special_tokens=False))["input_ids"]
         if engine.tokenizer.bos_token_id is not None:
             prompt_ids = [engine.tokenizer.bos_token_id, *prompt_ids]
-        if not prompt_ids or len(prompt_ids) > limits.max_prompt_tokens:
-            raise HTTPError(400, f"prompt: 1 to {limits.max_prompt_tokens} tokens, got {len(prompt_ids)}")
+        check_prompt(prompt_ids)
+        stop = body.stops
         job, events = submit(
             lambda emit: Completion(
                 body.model, prompt_ids, body.max_tokens, body.temperature, body.top_p, body.seed, stop, emit
@@ -260,10 +324,12 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
             return StreamingResponse(stream(), media_type="text/event-stream")
 
         parts = []
+        watcher = asyncio.create_task(_watch_hang_up(request, job, events))
         try:
             while "done" not in (event := await next_event(events, deadline)):
                 parts.append(event["text"])
         finally:
+            watcher.cancel()
             job.cancelled.set()
         answer = chunk("".join(parts), event["done"])
         answer["usage"] = {
@@ -274,14 +340,16 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
         return answer
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionBody):
+    async def chat_completions(body: ChatCompletionBody, request: Request):
+        max_tokens = body.max_completion_tokens or body.max_tokens or limits.max_tokens
+        check_model(body, max_tokens)
         messages = [message.model_dump() for message in body.messages]
-        try:  # the prompt as training wrote it: the chat template with its generation prompt
-            prompt_ids = chat_prompt_ids(engine.tokenizer, messages)
+        try:  # the prompt as training wrote it: the chat template with its generation prompt (in a thread, as above)
+            prompt_ids = await asyncio.to_thread(chat_prompt_ids, engine.tokenizer, messages)
         except ValueError as err:  # a tokenizer without a chat template
             raise HTTPError(400, f"messages: {err}") from err
-        max_tokens = body.max_completion_tokens or body.max_tokens or limits.max_tokens
-        stop = check_generation(body, prompt_ids, max_tokens)
+        check_prompt(prompt_ids)
+        stop = body.stops
         job, events = submit(
             lambda emit: Completion(
                 body.model, prompt_ids, max_tokens, body.temperature, body.top_p, body.seed, stop, emit
@@ -318,10 +386,12 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
             return StreamingResponse(stream(), media_type="text/event-stream")
 
         parts = []
+        watcher = asyncio.create_task(_watch_hang_up(request, job, events))
         try:
             while "done" not in (event := await next_event(events, deadline)):
                 parts.append(event["text"])
         finally:
+            watcher.cancel()
             job.cancelled.set()
         choice = {
             "index": 0,
@@ -342,22 +412,67 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
             },
         }
 
-    def check_generation(body: SamplingFields, prompt_ids: list[int], max_tokens: int) -> list[str]:
-        """Refuse a generation request the server cannot run (HTTPError); returns its stop strings."""
+    def check_model(body: SamplingFields, max_tokens: int) -> None:
+        """Refuse a generation request the server cannot run (HTTPError), before its prompt is tokenised."""
         if engine.family != "decoder":
             raise HTTPError(400, f"completions need a decoder-only backbone; this one is {engine.family}")
         if body.model != BASE_MODEL and body.model not in engine.adapters:
             raise HTTPError(404, f"model {body.model!r} is neither {BASE_MODEL!r} nor a loaded adapter", "not_found")
         if max_tokens > limits.max_tokens:
             raise HTTPError(400, f"max_tokens: at most {limits.max_tokens}, got {max_tokens}")
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if len(stop) > 4 or any(not s for s in stop):
-            raise HTTPError(400, "stop: up to 4 non-empty strings")
+
+    def check_prompt(prompt_ids: list[int]) -> None:
         if not prompt_ids or len(prompt_ids) > limits.max_prompt_tokens:
             raise HTTPError(400, f"prompt: 1 to {limits.max_prompt_tokens} tokens, got {len(prompt_ids)}")
-        return stop
 
     return app
+
+
+async def _watch_hang_up(request: Request, job: Completion, events: asyncio.Queue) -> None:
+    """Free a non-streamed completion's row when its client hangs up (streams are freed by their generator)."""
+    # The body has been read: the next message the server gives is the hang-up (this task is cancelled first
+    # when the answer is complete).
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.05)  # no other message is expected once the body is read: never spin on one
+    job.cancelled.set()
+    events.put_nowait({"error": "the client went away"})
+
+
+class _BodyLimit:
+    """ASGI middleware: a body over `limit` bytes gets 413, counted on the bytes received, so a chunked body
+    (no Content-Length) or one longer than its header says is cut off at the limit, never read whole."""
+
+    def __init__(self, app, limit: int, refuse: Callable[[int, str], JSONResponse]):
+        self.app, self.limit, self.refuse = app, limit, refuse
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_big = self.refuse(413, f"request body over {self.limit} bytes")
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            return await too_big(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await too_big(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> dict[str, Any]:  # the body once, then what the client does (a hang-up)
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return await self.app(scope, replay, send)
 
 
 def _task(engine: Engine, name: str) -> str | None:

@@ -29,7 +29,7 @@ from ...model import CaptModel
 from ..data import TASKS, Example, parse_record
 from ..formats import TaskFormat, make_format
 from ..predict import Scored, score_examples
-from ..run import ADAPTER_DIR, read_run_config
+from ..run import ADAPTER_DIR, RUN_CONFIG_NAME, missing_weights, read_run_config
 
 BASE_MODEL = "base"  # the `model` name that runs the frozen backbone without capsules
 
@@ -97,6 +97,8 @@ class AdapterInfo:
 def adapter_folder(path: str | Path) -> tuple[Path, AdapterInfo]:
     """An adapter folder, or the `adapter/` folder of a `capt train` run, with what the run says of its task."""
     directory = Path(path)
+    if (directory / RUN_CONFIG_NAME).is_file() and not (directory / ADAPTER_DIR).is_dir():
+        raise missing_weights(directory / ADAPTER_DIR)  # a run folder without its adapter
     if (directory / ADAPTER_DIR).is_dir():
         config = read_run_config(directory)
         return directory / ADAPTER_DIR, AdapterInfo(str(directory), config.task, config.max_length)
@@ -130,6 +132,8 @@ class Engine:
         self.busy = dict.fromkeys(("classify", "prefill", "decode"), 0.0)
         self._stop = threading.Event()
         self._held: Completion | None = None  # taken from the queue while the decode batch was full: next in line
+        # The base model runs with the capsules switched off, so its rows decode in a batch of their own.
+        self.lanes = {False: DecodeBatch(bank, tokenizer, bank.num_slots), True: DecodeBatch(bank, tokenizer, 0)}
         self._thread = threading.Thread(target=self._run, name="capt-serve-worker", daemon=True)
 
     # ------------------------------------------------------------------ control
@@ -191,11 +195,13 @@ class Engine:
 
     # ------------------------------------------------------------------ the worker
 
+    @property
+    def decoding(self) -> int:
+        """Rows generating now (a row leaves when it finishes or its client goes away)."""
+        return sum(len(lane.rows) for lane in self.lanes.values())
+
     def _run(self) -> None:
-        lanes = {  # the base model runs with the capsules switched off, so its rows decode in a batch of their own
-            False: DecodeBatch(self.bank, self.tokenizer, self.bank.num_slots),
-            True: DecodeBatch(self.bank, self.tokenizer, 0),
-        }
+        lanes = self.lanes
         while not self._stop.is_set():
             running = sum(len(lane.rows) for lane in lanes.values())
             room = self.limits.max_batch - running if all(lane.accepts for lane in lanes.values()) else 0
@@ -254,12 +260,24 @@ class Engine:
         try:
             with self._busy("classify"):
                 scored = iter(score_examples(self.bank, flat, batch_size=max(len(flat), 1)))
-        except Exception as err:  # a model error: tell every waiter
+        except Exception:  # one job's record may have caused it: each job is scored again alone
             for job in jobs:
-                job.emit({"error": str(err)})
+                self._classify_alone(job)
             return
         for job in jobs:
             job.emit({"results": [[next(scored) for _ in record] for record in job.items]})
+
+    def _classify_alone(self, job: Classification) -> None:
+        """Score one job on its own, after its shared batch failed: the others' answers are what they get alone,
+        and a job that fails alone is told which of its records fails."""
+        items = [item for record in job.items for item in record]
+        try:
+            with self._busy("classify"):
+                scored = iter(score_examples(self.bank, items, batch_size=max(len(items), 1)))
+        except Exception as err:  # reported to this job's waiter only
+            job.emit({"error": _failing_record(self.bank, job, err)})
+            return
+        job.emit({"results": [[next(scored) for _ in record] for record in job.items]})
 
     def _advance(self, lane: DecodeBatch, joining: list[Completion]) -> None:
         """New rows join `lane` (their prefill), then every row decodes one token."""
@@ -269,9 +287,9 @@ class Engine:
             try:
                 with self._busy("prefill"):
                     lane.join(joining)
-            except Exception as err:  # a bad request or a model error: the running rows go on
+            except Exception:  # one request may have caused it: each joins again alone
                 for job in joining:
-                    job.emit({"error": str(err)})
+                    self._join_alone(lane, job, decoding)
             else:
                 self.joins += len(joining) if decoding else 0
         if lane.rows:
@@ -281,6 +299,17 @@ class Engine:
                     lane.step()
             except Exception as err:
                 lane.fail(str(err))
+
+    def _join_alone(self, lane: DecodeBatch, job: Completion, decoding: bool) -> None:
+        """Prefill one request on its own after its shared prefill failed: a row's tokens do not depend on who
+        prefills with it, so the others get what they get alone, and only the request that fails alone fails."""
+        try:
+            with self._busy("prefill"):
+                lane.join([job])
+        except Exception as err:  # reported to this request's waiter only
+            job.emit({"error": f"this completion failed: {err}"})
+        else:
+            self.joins += 1 if decoding else 0
 
     @contextmanager
     def _busy(self, kind: str) -> Iterator[None]:
@@ -343,9 +372,10 @@ class DecodeBatch:
     @torch.no_grad()
     def join(self, jobs: list[Completion]) -> None:
         """Prefill `jobs` together, choose their first tokens and add the rows that go on to the batch."""
-        jobs = [job for job in jobs if not self._refuse_unloaded(job)]
-        if not jobs:
+        rows = [row for job in jobs if not self._refuse_unloaded(job) and (row := _new_row(job, self.device))]
+        if not rows:
             return
+        jobs = [row.job for row in rows]
         width = max(len(job.prompt_ids) for job in jobs)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ids = torch.tensor([[pad] * (width - len(j.prompt_ids)) + j.prompt_ids for j in jobs], device=self.device)
@@ -360,7 +390,6 @@ class DecodeBatch:
             use_cache=True,
             **self.prefill_options,
         )
-        rows = [_Row(job, _generator(job, self.device), max(map(len, job.stop), default=1) - 1) for job in jobs]
         chosen = self._choose_and_send(rows, out.logits[:, -1].float())
         going = [i for i, token in enumerate(chosen) if token is not None]
         if not going:
@@ -423,26 +452,34 @@ class DecodeBatch:
         """Each row's next token from its logits, its new text sent; None where the row has finished."""
         chosen: list[int | None] = []
         for row, row_logits in zip(rows, logits, strict=True):
-            job, token = row.job, _choose(row_logits, row.job, row.generator)
-            finish = None
-            if token == self.eos:
-                finish = "stop"
-            else:
-                row.tokens.append(token)
-                text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
-                cut = min((i for s in job.stop if (i := text.find(s)) >= 0), default=-1)
-                if cut >= 0:
-                    text, finish = text[:cut], "stop"
-                elif len(row.tokens) >= job.max_tokens:
-                    finish = "length"
-                end = len(text) if finish else max(row.sent, len(text) - row.hold)
-                if end > row.sent:
-                    job.emit({"text": text[row.sent : end]})
-                    row.sent = end
-            if finish:
-                job.emit({"done": finish, "tokens": len(row.tokens)})
-            chosen.append(None if finish else token)
+            try:
+                chosen.append(self._choose_one(row, row_logits))
+            except Exception as err:  # this row's own sampling or text failed: it leaves alone
+                row.job.emit({"error": f"this completion failed: {err}"})
+                chosen.append(None)
         return chosen
+
+    def _choose_one(self, row: _Row, logits: torch.Tensor) -> int | None:
+        """`row`'s next token, its new text sent; None where the row has finished."""
+        job, token = row.job, _choose(logits, row.job, row.generator)
+        finish = None
+        if token == self.eos:
+            finish = "stop"
+        else:
+            row.tokens.append(token)
+            text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
+            cut = min((i for s in job.stop if (i := text.find(s)) >= 0), default=-1)
+            if cut >= 0:
+                text, finish = text[:cut], "stop"
+            elif len(row.tokens) >= job.max_tokens:
+                finish = "length"
+            end = len(text) if finish else max(row.sent, len(text) - row.hold)
+            if end > row.sent:
+                job.emit({"text": text[row.sent : end]})
+                row.sent = end
+        if finish:
+            job.emit({"done": finish, "tokens": len(row.tokens)})
+        return None if finish else token
 
     def _keep(self, keep: list[bool]) -> None:
         """Only the rows marked True stay; then the leading columns every remaining row masks are dropped."""
@@ -494,18 +531,37 @@ def _pad_left(mask: torch.Tensor, columns: int) -> torch.Tensor:
     return mask if columns <= 0 else torch.cat([mask.new_zeros(mask.shape[0], columns), mask], dim=1)
 
 
-def _generator(job: Completion, device: torch.device) -> torch.Generator:
-    """A row's own sampler, seeded by its request: its tokens do not depend on its batchmates."""
+def _new_row(job: Completion, device: torch.device) -> _Row | None:
+    """A request's row with its own sampler, seeded by its request (its tokens do not depend on its batchmates);
+    None, its waiter told why, where the sampler cannot be built from what the request asks."""
     generator = torch.Generator(device=device)
-    generator.manual_seed(job.seed if job.seed is not None else int(torch.randint(0, 2**31, ()).item()))
-    return generator
+    try:
+        generator.manual_seed(job.seed if job.seed is not None else int(torch.randint(0, 2**31, ()).item()))
+    except (ValueError, RuntimeError, OverflowError, TypeError) as err:
+        job.emit({"error": f"seed {job.seed!r}: {err}"})
+        return None
+    return _Row(job, generator, max(map(len, job.stop), default=1) - 1)
+
+
+def _failing_record(bank: CaptModel, job: Classification, err: Exception) -> str:
+    """Which of `job`'s records fails when scored alone (the first), with its error; else `err` itself."""
+    for number, record in enumerate(job.items):
+        try:
+            score_examples(bank, record, batch_size=max(len(record), 1))
+        except Exception as own:  # the record's own error is the answer
+            return f"records[{number}] could not be scored: {own}"
+    return f"this classification failed: {err}"
 
 
 def _choose(logits: torch.Tensor, job: Completion, generator: torch.Generator) -> int:
-    """Greedy at temperature 0; otherwise nucleus sampling (top_p) at the request's temperature."""
+    """Greedy at temperature 0; otherwise nucleus sampling (top_p) at the request's temperature.
+
+    The logits are shifted so that their largest is 0 before the division, in float64: any temperature above 0
+    then gives finite scores (the others at worst -inf), never the inf - inf = nan of a tiny temperature."""
     if job.temperature == 0:
         return int(logits.argmax())
-    probs = torch.softmax(logits / job.temperature, dim=-1)
+    shifted = logits.double() - logits.max().double()
+    probs = torch.softmax(shifted / job.temperature, dim=-1)
     if job.top_p < 1.0:
         ordered, order = probs.sort(descending=True)
         keep = ordered.cumsum(-1) - ordered < job.top_p  # always keeps the most likely token
