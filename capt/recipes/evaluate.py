@@ -20,25 +20,37 @@ from torch import nn
 
 from ..saving import atomic_write
 from . import formats
-from .data import Example, paper_splits, templates
+from .data import Example
 from .formats import NO_OPTION, TaskFormat
 from .metrics import task_metrics
 from .run import RunConfig
+from .tasks import TaskSpec, get_task, preprocess, render, task_splits
 
 FEATURES_VERSION = 2  # bump when TaskFormat.encode changes, so cached tokenisations are rebuilt
 
 
 def load_splits(config: RunConfig) -> dict[str, list[Example]]:
-    """The paper's train/validation/test splits of config.task, cut to limit_train / limit_eval if set."""
-    splits = paper_splits(config.task, config.data_dir, seed=config.split_seed)
+    """The train/validation/test splits of config.task, cut to limit_train / limit_eval if set."""
+    return load_task(config)[1]
+
+
+def load_task(config: RunConfig) -> tuple[TaskSpec, dict[str, list[Example]], str]:
+    """(the task's spec, its splits cut to limit_train / limit_eval, the split its final scores come from).
+
+    Built-ins follow the paper (90/10 of official train, official validation as test); a user task without a
+    validation file carves 10% of train by label with `split_seed`, and without a test file is scored on
+    validation (the scored split is then "validation")."""
+    spec, splits, scored = task_splits(get_task(config.task), seed=config.split_seed, data_dir=config.data_dir)
     limits = {"train": config.limit_train, "validation": config.limit_eval, "test": config.limit_eval}
-    return {name: examples[: limits[name]] if limits[name] else examples for name, examples in splits.items()}
+    cut = {name: examples[: limits[name]] if limits[name] else examples for name, examples in splits.items()}
+    return spec, cut, scored
 
 
 @cache
 def _template_code() -> str:
     """A hash of the code that turns examples into tokens: any edit to it invalidates the cache."""
-    return hashlib.sha256((inspect.getsource(templates) + inspect.getsource(formats)).encode()).hexdigest()
+    code = "".join(inspect.getsource(module) for module in (render, preprocess, formats))
+    return hashlib.sha256(code.encode()).hexdigest()
 
 
 def encode_cached(fmt: TaskFormat, examples: list[Example], config: RunConfig) -> list[dict]:
@@ -52,6 +64,8 @@ def encode_cached(fmt: TaskFormat, examples: list[Example], config: RunConfig) -
             fmt.task,
             fmt.max_length,
             getattr(fmt, "generate", None),
+            getattr(fmt, "prompt_bos", None),
+            fmt.spec.to_dict(),  # the task's templates and labels: a user task may change them under one name
             fmt.tokenizer.name_or_path,
             len(fmt.tokenizer),
             [dataclasses.asdict(ex) for ex in examples],  # every field and label, not only the ids
@@ -101,9 +115,9 @@ def evaluate(
 def score_predictions(task: str, predictions: list[int], examples: list[Example]) -> dict[str, float]:
     """The task's metrics for one prediction per example: a label id, or for ReCoRD an index into the example's
     entities; NO_OPTION (a generated answer that is none of the options) counts as wrong."""
-    if task == "record":
+    if get_task(task).metrics[0] == "record":
         entities = [ex.candidates[p] if p != NO_OPTION else "" for ex, p in zip(examples, predictions, strict=True)]
-        return task_metrics("record", entities, [list(ex.answers) for ex in examples])
+        return task_metrics(task, entities, [list(ex.answers) for ex in examples])
     return task_metrics(task, predictions, [ex.label for ex in examples], groups=[ex.group for ex in examples])
 
 

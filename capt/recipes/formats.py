@@ -434,6 +434,8 @@ def make_format(
         >>> type(make_format("decoder", "copa", tokenizer, 64, decoder_head="classifier")).__name__
         'EncoderFormat'
     """
+    if get_task(task).kind == "generate":
+        raise ValueError(f"{task} is a generate task: it trains with the chat format, not a label-scoring one")
     if family == "decoder" and decoder_head == "classifier":
         return EncoderFormat(task=task, tokenizer=tokenizer, max_length=max_length, padding_side="left")
     options = {"generate": t5_generate} if family == "encoder-decoder" else {}

@@ -21,7 +21,8 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
-from ..data import TASKS
+from ..formats import encode_prompt
+from ..tasks import builtin_tasks
 from .engine import BASE_MODEL, Classification, Completion, Engine, QueueFull
 
 
@@ -197,9 +198,8 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > 4 or any(not s for s in stop):
             raise HTTPError(400, "stop: up to 4 non-empty strings")
-        prompt_ids = engine.tokenizer(body.prompt, add_special_tokens=False)["input_ids"]
-        if engine.tokenizer.bos_token_id is not None:
-            prompt_ids = [engine.tokenizer.bos_token_id, *prompt_ids]
+        # As the adapter's run encoded its prompts (a BOS where the tokenizer adds one, or as its run recorded).
+        prompt_ids = encode_prompt(engine.tokenizer, body.prompt, engine.prompt_bos(body.model))
         if not prompt_ids or len(prompt_ids) > limits.max_prompt_tokens:
             raise HTTPError(400, f"prompt: 1 to {limits.max_prompt_tokens} tokens, got {len(prompt_ids)}")
         job, events = submit(
@@ -254,9 +254,9 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
 
 
 def _task(engine: Engine, name: str) -> str | None:
-    """The SuperGLUE task an adapter answers in /v1/classify (None: completions only)."""
+    """The task an adapter answers in /v1/classify (None: completions only)."""
     info = engine.adapters.get(name)
-    return None if info is None else info.task or (name if name in TASKS else None)
+    return None if info is None else info.task or (name if name in builtin_tasks() else None)
 
 
 class _EngineCounters:

@@ -8,7 +8,7 @@ readers.py     examples from the official SuperGLUE loader or a user's files, an
 registry.py    task names -> specs: built-ins, task files, run folders' task.yaml
 """
 
-from .readers import read_rows, resolved_spec, task_splits
+from .readers import parse_task_record, read_rows, resolved_spec, task_splits
 from .registry import (
     TASK_FILE_NAME,
     builtin_tasks,
@@ -30,6 +30,7 @@ __all__ = [
     "builtin_tasks",
     "get_task",
     "is_task_file",
+    "parse_task_record",
     "read_rows",
     "read_task_file",
     "register_task",

@@ -11,12 +11,11 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..data.superglue import DataFormatError, Example, paper_splits, validation_mask
+from ..data.superglue import DataFormatError, Example, paper_splits, parse_record, validation_mask
 from .preprocess import PREPROCESSORS
 from .spec import TaskSpec, close_name
 
@@ -325,6 +324,12 @@ def task_splits(
     return spec, splits, scored
 
 
-def iter_input_rows(path: Path) -> Iterator[Row]:
-    """Rows of a `capt predict --input` file (any readable file type)."""
-    yield from read_rows(path)
+def parse_task_record(spec: TaskSpec, record: dict[str, Any], where: str) -> list[Example]:
+    """Examples from one input record of a task (`capt predict`, `/v1/classify`): an official record for a
+    SuperGLUE task, the task's own fields for a user task; a label is optional."""
+    if spec.source.get("superglue"):
+        return parse_record(spec.name, record, where)
+    if not isinstance(record, dict):
+        raise DataFormatError(f"{where}: a record must be an object of the task's fields")
+    examples = _examples(spec, "test", [(where, record)], where)
+    return [replace(ex, idx=where) for ex in examples]

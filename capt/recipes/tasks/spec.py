@@ -246,7 +246,7 @@ class TaskSpec:
         out: dict[str, Any] = {}
         for key, value in entry.items():
             if key == "label_words":
-                if value is None:
+                if not value:  # none yet: filled from the labels once the data has given them
                     continue
                 words = tuple(value)
                 count = len(self.labels) if self.kind == "classify" else len(self.option_fields)
