@@ -227,3 +227,36 @@ def test_template_naming_a_missing_field_and_kind_contradicting_fields(tmp_path,
     _fails(
         ["train", "--task", str(task_file), "--output-dir", str(tmp_path / "r")], capsys, "label_feild", "label_field"
     )
+
+
+def test_serve_classifies_records_in_the_tasks_own_fields(tmp_path):
+    """/v1/classify answers a user task's rows as `capt predict --run` does, and a pre-0.3 run keeps its BOS."""
+    from fastapi.testclient import TestClient
+
+    from capt.recipes.run import read_run_config
+    from capt.recipes.serve import Limits, build_engine, create_app
+
+    train = rte_as_csv(tmp_path / "train.csv", "train", 40)
+    out = tmp_path / "run"
+    assert main(_train(tmp_path, train, *PAIR, "--task-name", "pairs")) == 0
+    rows = [{"sentence1": "A cat sat.", "sentence2": "An animal sat."}, {"sentence1": "It rains.", "sentence2": "Dry."}]
+    new = tmp_path / "new.jsonl"
+    new.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["predict", "--run", str(out), "--input", str(new), "--output", str(tmp_path / "p.jsonl")]) == 0
+    expected = [p["prediction"] for p in _jsonl(tmp_path / "p.jsonl")]
+    engine = build_engine("tiny-llama", {"mine": out}, Limits())
+    try:
+        with TestClient(create_app(engine)) as client:
+            answer = client.post("/v1/classify", json={"records": [{**r, "task": "mine"} for r in rows]})
+            assert answer.status_code == 200, answer.text
+            got = [result["predictions"][0]["label"] for result in answer.json()["results"]]
+            assert got == expected
+            bad = client.post("/v1/classify", json={"records": [{"sentence1": "x", "task": "mine"}]})
+            assert bad.status_code == 422 and "missing field 'sentence2'" in bad.json()["error"]["message"]
+    finally:
+        engine.stop()
+    settings = json.loads((out / "run_config.json").read_text())
+    assert settings["prompt_bos"] == "tokenizer"  # the new default, recorded
+    del settings["prompt_bos"]
+    (out / "run_config.json").write_text(json.dumps(settings))
+    assert read_run_config(out).prompt_bos == "always"  # a run written before the setting existed
