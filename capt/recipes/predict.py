@@ -132,7 +132,7 @@ def predict_file(runs: dict[str, Path], input_path: Path, output_path: Path, bat
     bank = load_bank(backbone.model, {task: runs[task] / ADAPTER_DIR for task in runs})
     rows = read_mixed_input(input_path, set(runs))
     formats = {
-        task: make_format(backbone.family, task, backbone.tokenizer, config.max_length)
+        task: make_format(backbone.family, task, backbone.tokenizer, config.max_length, prompt_bos=config.prompt_bos)
         for task, config in configs.items()
     }
     items = [(task, formats[task], ex) for _, task, examples in rows for ex in examples]
