@@ -260,3 +260,15 @@ def test_serve_classifies_records_in_the_tasks_own_fields(tmp_path):
     del settings["prompt_bos"]
     (out / "run_config.json").write_text(json.dumps(settings))
     assert read_run_config(out).prompt_bos == "always"  # a run written before the setting existed
+
+
+def test_compare_runs_a_task_file(tmp_path):
+    rte_as_csv(tmp_path / "train.csv", "train", 40)
+    task = tmp_path / "entails.yaml"
+    task.write_text("name: entails\nkind: classify\nsource: {train: train.csv}\ntext_fields: [sentence1, sentence2]\n"
+                    "label_field: label\n")  # fmt: skip
+    out = tmp_path / "study"
+    assert main(["compare", "--tasks", str(task), "--methods", "capt,lora", "--output-dir", str(out), *QUICK]) == 0
+    assert (out / "entails" / "lora" / "task.yaml").is_file()
+    table = (out / "comparison.md").read_text()
+    assert "entails" in table and "lora" in table
