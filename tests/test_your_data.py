@@ -272,3 +272,23 @@ def test_compare_runs_a_task_file(tmp_path):
     assert (out / "entails" / "lora" / "task.yaml").is_file()
     table = (out / "comparison.md").read_text()
     assert "entails" in table and "lora" in table
+
+
+def test_parquet_json_and_saved_datasets_read_through_datasets(tmp_path):
+    import datasets
+
+    rows = [{"text": f"row {i}", "label": ["no", "yes"][i % 2]} for i in range(20)]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "train.parquet"))
+    (tmp_path / "test.json").write_text(json.dumps(rows[:4]))
+    spec = TaskSpec("p", "classify", {"train": str(tmp_path / "train.parquet"), "test": str(tmp_path / "test.json")},
+                    ["text"], "label")  # fmt: skip
+    resolved, splits, scored = task_splits(spec)
+    assert resolved.labels == ("no", "yes") and scored == "test"
+    assert [ex.label for ex in splits["test"]] == [0, 1, 0, 1]
+    assert len(splits["train"]) == 18 and len(splits["validation"]) == 2  # 10%, one of each label
+    saved = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(rows), "val": datasets.Dataset.from_list(rows[:6])}
+    )
+    saved.save_to_disk(str(tmp_path / "saved"))
+    _, splits, scored = task_splits(TaskSpec("s", "classify", {"dataset": str(tmp_path / "saved")}, ["text"], "label"))
+    assert (len(splits["train"]), len(splits["validation"]), scored) == (20, 6, "validation")
