@@ -292,3 +292,10 @@ def test_parquet_json_and_saved_datasets_read_through_datasets(tmp_path):
     saved.save_to_disk(str(tmp_path / "saved"))
     _, splits, scored = task_splits(TaskSpec("s", "classify", {"dataset": str(tmp_path / "saved")}, ["text"], "label"))
     assert (len(splits["train"]), len(splits["validation"]), scored) == (20, 6, "validation")
+
+
+@pytest.mark.parametrize("name", ["boolq", "cb", "copa", "multirc", "record", "rte", "wic", "wsc"])
+def test_every_builtin_task_file_round_trips(name, tmp_path):
+    spec = get_task(name)
+    write_task_file(spec, tmp_path / "task.yaml")
+    assert read_task_file(tmp_path / "task.yaml") == spec

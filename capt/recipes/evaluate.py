@@ -24,7 +24,7 @@ from .data import Example
 from .formats import NO_OPTION, TaskFormat
 from .metrics import task_metrics
 from .run import RunConfig
-from .tasks import TaskSpec, get_task, preprocess, render, task_splits
+from .tasks import TaskSpec, builtin_tasks, get_task, preprocess, register_task, render, task_splits
 
 FEATURES_VERSION = 2  # bump when TaskFormat.encode changes, so cached tokenisations are rebuilt
 
@@ -39,8 +39,11 @@ def load_task(config: RunConfig) -> tuple[TaskSpec, dict[str, list[Example]], st
 
     Built-ins follow the paper (90/10 of official train, official validation as test); a user task without a
     validation file carves 10% of train by label with `split_seed`, and without a test file is scored on
-    validation (the scored split is then "validation")."""
+    validation (the scored split is then "validation"). A user task's spec, its labels now read from the data, is
+    registered under its name, so the formats and metrics see them."""
     spec, splits, scored = task_splits(get_task(config.task), seed=config.split_seed, data_dir=config.data_dir)
+    if spec.name not in builtin_tasks():
+        register_task(spec)
     limits = {"train": config.limit_train, "validation": config.limit_eval, "test": config.limit_eval}
     cut = {name: examples[: limits[name]] if limits[name] else examples for name, examples in splits.items()}
     return spec, cut, scored

@@ -51,7 +51,7 @@ from .run import (
     setting_differences,
     trainable_state,
 )
-from .tasks import TASK_FILE_NAME, builtin_tasks, register_task, write_task_file
+from .tasks import TASK_FILE_NAME, builtin_tasks, write_task_file
 
 
 @dataclass
@@ -135,8 +135,6 @@ class TrainingRecipe:
             accelerator.print(SLOW_BF16_WARNING)
         # First: a data error stops the run before the model loads. A user task's labels come from its data.
         self.spec, self.splits, self.scored_split = load_task(config)
-        if self.spec.name not in builtin_tasks():
-            register_task(self.spec)
         self._setup_model()
         self._setup_data()
         self._setup_optimizer()
