@@ -299,3 +299,20 @@ def test_every_builtin_task_file_round_trips(name, tmp_path):
     spec = get_task(name)
     write_task_file(spec, tmp_path / "task.yaml")
     assert read_task_file(tmp_path / "task.yaml") == spec
+
+
+@pytest.mark.parametrize(
+    ("row", "fields"),
+    [
+        ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}, ("messages",)),
+        ({"prompt": "2+2=", "completion": "4"}, ("prompt", "completion")),
+    ],
+)
+def test_chat_and_completion_rows_make_a_generate_task(row, fields, tmp_path):
+    data = tmp_path / "chat.jsonl"
+    data.write_text((json.dumps(row) + "\n") * 20)
+    main(["train", "--train-file", str(data), "--task-name", "talk", "--output-dir", str(tmp_path / "r"), *QUICK])
+    spec = get_task("talk")  # registered from the flags, whatever the training then does
+    assert (spec.kind, spec.text_fields, spec.metrics[0]) == ("generate", fields, "loss")
+    _, splits, _ = task_splits(spec)
+    assert splits["train"][0].fields == row and len(splits["validation"]) == 2

@@ -178,8 +178,10 @@ def task_from_flags(args: argparse.Namespace) -> str:
     fields = _comma_list(args.text_fields, "--text-fields") if args.text_fields else []
     choices = _comma_list(args.choices_field, "--choices-field") if args.choices_field else []
     kind = args.task_type
+    # Without named fields, the first row's columns say whether the rows are chat or prompt/completion data.
+    first_rows = read_rows(train)[:1] if train.is_file() and not fields and not args.label_field else []
+    columns = set(first_rows[0][1]) if first_rows else set()
     if kind is None:
-        columns = set(read_rows(train)[0][1]) if train.is_file() and not fields and not args.label_field else set()
         if {"messages"} <= set(fields) | columns or {"prompt", "completion"} <= set(fields) | columns:
             kind = "generate"
         else:
