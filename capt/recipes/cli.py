@@ -1,6 +1,9 @@
-"""The `capt` command: train, eval and compare on SuperGLUE.
+"""The `capt` command: train, eval, predict, compare and serve, on built-in tasks or your own data.
 
     capt train --task rte --method capt --epochs 3
+    capt train --train-file pairs.csv --text-fields sentence1,sentence2 --label-field label --model tiny-llama
+    capt train --task my-task.yaml                     # a task file (docs/your-data.md)
+    capt tasks                                         # the built-in tasks
     capt train --config configs/minilm.yaml --task cb --seeds 3
     capt eval --adapter runs/rte-capt --task rte
     capt lm-eval --model capt --model_args adapter=runs/copa-capt --tasks copa --limit 100
@@ -86,8 +89,13 @@ def _parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="train one task with one method (one or more seeds)")
     _add_run_flags(train)
+    _add_data_flags(train)
     train.add_argument("--resume", action="store_true", help="continue an interrupted run from its checkpoint")
     train.set_defaults(handler=_train)
+
+    tasks = commands.add_parser("tasks", help="list the built-in tasks (--task NAME), or check a task file")
+    tasks.add_argument("file", nargs="?", help="a task YAML file to check and show as it resolves")
+    tasks.set_defaults(handler=_tasks)
 
     evaluate = commands.add_parser("eval", help="score a finished run on a task's test split (official val)")
     evaluate.add_argument("--adapter", required=True, help="a run folder written by `capt train`")
@@ -133,15 +141,86 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_run_flags(sweep, exclude=("task", "method", "lr", "seed"))
     sweep.set_defaults(handler=_sweep)
-    predict = commands.add_parser("predict", help="one backbone, several trained tasks, one mixed input file")
-    predict.add_argument("--adapters", required=True, help="task=RUN_DIR pairs of CaPT runs, e.g. rte=runs/a,cb=runs/b")
-    predict.add_argument("--input", required=True, help="jsonl: official SuperGLUE records, each with a 'task' field")
+    predict = commands.add_parser("predict", help="a run's answers for new inputs (or several CaPT runs as one bank)")
+    source = predict.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", help="a run folder from `capt train`; --input rows hold its task's own fields")
+    source.add_argument("--adapters", help="task=RUN_DIR pairs of CaPT runs, e.g. rte=runs/a,cb=runs/b (mixed input)")
+    predict.add_argument(
+        "--input",
+        required=True,
+        help="with --run: the task's rows (jsonl, json, csv, tsv, parquet); with --adapters: jsonl records, each "
+        "with a 'task' field",
+    )
     predict.add_argument("--output", required=True, help="jsonl of predictions, one per example, in input order")
     predict.set_defaults(handler=_predict)
     _add_serve_parser(commands)
 
     _add_analyze_parser(commands)
     return parser
+
+
+def _add_data_flags(parser: argparse.ArgumentParser) -> None:
+    """Your own data, as a task built from flags (instead of --task)."""
+    group = parser.add_argument_group("your own data (instead of --task; see docs/your-data.md)")
+    group.add_argument("--train-file", help="training rows: jsonl, json, csv, tsv or parquet, or a save_to_disk folder")
+    group.add_argument(
+        "--validation-file", help="default: 10%% of the training rows, stratified by label (--split-seed)"
+    )
+    group.add_argument("--test-file", help="default: none; the run then reports its validation scores, and says so")
+    group.add_argument("--text-fields", help="comma-separated text columns, e.g. sentence1,sentence2 (or the context)")
+    group.add_argument("--label-field", help="the label column (classify), or the answer's index (choice)")
+    group.add_argument("--choices-field", help="choice: a column holding the list of options, or option columns a,b")
+    group.add_argument("--task-type", choices=("classify", "choice", "generate"), help="default: from the fields")
+    group.add_argument("--task-name", help="the task's name in results (default: the training file's name)")
+
+
+def task_from_flags(args: argparse.Namespace) -> str:
+    """Build, check and register the task that --train-file and its companions describe; returns its name.
+
+    A label field means classify, a choices field choice; a `messages` column, or `prompt` and `completion`
+    columns, mean generate."""
+    from .tasks import TaskSpec, TaskSpecError, builtin_tasks, read_rows, register_task, resolved_spec
+
+    if args.task:
+        raise TaskSpecError("--task and --train-file: give one (a task, or your data's files)")
+    train = Path(args.train_file)
+    fields = _comma_list(args.text_fields, "--text-fields") if args.text_fields else []
+    choices = _comma_list(args.choices_field, "--choices-field") if args.choices_field else []
+    kind = args.task_type
+    # Without named fields, the first row's columns say whether the rows are chat or prompt/completion data.
+    first_rows = read_rows(train)[:1] if train.is_file() and not fields and not args.label_field else []
+    columns = set(first_rows[0][1]) if first_rows else set()
+    if kind is None:
+        if {"messages"} <= set(fields) | columns or {"prompt", "completion"} <= set(fields) | columns:
+            kind = "generate"
+        else:
+            kind = "choice" if choices else "classify"
+    if kind == "generate" and not fields:
+        fields = ["messages"] if "messages" in columns else ["prompt", "completion"]
+    if kind != "generate" and not fields:
+        raise TaskSpecError(
+            "--text-fields: name the text column(s) of your data, e.g. --text-fields sentence1,sentence2"
+        )
+    name = args.task_name or (train.parent.name if train.stem in ("train", "data") else train.stem)
+    name = name.replace(" ", "-").replace(".", "-")
+    if name in builtin_tasks():
+        raise TaskSpecError(f"--task-name: {name!r} is a built-in task; name your task with --task-name")
+    source = {"train": str(train.resolve())}
+    for split, value in (("validation", args.validation_file), ("test", args.test_file)):
+        if value:
+            source[split] = str(Path(value).resolve())
+    if train.is_dir():
+        source = {"dataset": str(train.resolve())}
+    spec = TaskSpec(
+        name=name,
+        kind=kind,
+        source=source,
+        text_fields=fields,
+        label_field=args.label_field or ("label" if kind == "choice" else None),
+        options_field=choices[0] if len(choices) == 1 else None,
+        option_fields=choices if len(choices) > 1 else (),
+    )
+    return register_task(resolved_spec(spec)).name
 
 
 def _add_cell_flags(parser: argparse.ArgumentParser) -> None:
@@ -246,15 +325,18 @@ class SettingsFile:
 
 def read_settings_file(path: str) -> SettingsFile:
     """Read and check a --config file; every error names the file and the key."""
-    from .data import TASKS
     from .methods import METHODS
     from .run import RunConfig
+    from .tasks import task_names
 
     names = {f.name for f in dataclasses.fields(RunConfig)}
     loaded = _read_yaml(path)
-    per_task = _section_settings(loaded.pop(PER_TASK_KEY, {}), path, PER_TASK_KEY, "task", TASKS, names)
+    # Built-in and registered tasks, and task files (a study of your own tasks names their YAML files).
+    named = [k for key in (PER_TASK_KEY, PLAN_KEY) if isinstance(loaded.get(key), dict) for k in loaded[key]]
+    known_tasks = [*task_names(), *filter(_is_file, named)]
+    per_task = _section_settings(loaded.pop(PER_TASK_KEY, {}), path, PER_TASK_KEY, "task", known_tasks, names)
     per_method = _section_settings(loaded.pop(PER_METHOD_KEY, {}), path, PER_METHOD_KEY, "method", METHODS, names)
-    plan = _plan(loaded.pop(PLAN_KEY, {}), path, TASKS, METHODS)
+    plan = _plan(loaded.pop(PLAN_KEY, {}), path, known_tasks, METHODS)
     unknown = sorted(set(loaded) - names)
     if unknown:
         raise ValueError(f"{path}: unknown settings {unknown}")
@@ -301,6 +383,10 @@ def _plan(section: Any, path: str, tasks: Any, methods: Any) -> dict[str, list[s
             raise ValueError(f"{path}: {PLAN_KEY}.{task} names unknown methods {unknown}; known: {', '.join(methods)}")
         _refuse_duplicates(planned, f"{path}: {PLAN_KEY}.{task}")
     return section
+
+
+def _is_file(name: Any) -> bool:
+    return isinstance(name, str) and name.endswith((".yaml", ".yml"))
 
 
 def run_config(args: argparse.Namespace, **fixed: Any) -> RunConfig:
@@ -368,6 +454,20 @@ def _train(args: argparse.Namespace) -> int:
 
     if args.resume and args.overwrite:  # one would silently win: continuing a run is not starting it again
         raise ValueError("--resume continues the run in --output-dir, --overwrite starts it again: give one of them")
+    data_flags = (
+        "validation_file",
+        "test_file",
+        "text_fields",
+        "label_field",
+        "choices_field",
+        "task_type",
+        "task_name",
+    )
+    if args.train_file:
+        args.task = task_from_flags(args)
+    elif any(getattr(args, flag) for flag in data_flags):
+        given = next(flag for flag in data_flags if getattr(args, flag))
+        raise ValueError(f"--{given.replace('_', '-')} describes your data: give --train-file too")
     config = run_config(args)
     summary = train_seeds(config, args.seeds, args.overwrite, resume=args.resume)
     _print_summary(summary)
@@ -376,15 +476,18 @@ def _train(args: argparse.Namespace) -> int:
 
 def _print_summary(summary: dict[str, Any]) -> None:
     metrics = ", ".join(f"{k} {100 * v['mean']:.2f} ± {100 * v['std']:.2f}" for k, v in summary["test"].items())
+    split = "test"
+    if summary.get("scored_split", "test") != "test":
+        split = "validation (no test file: these are validation scores)"
     print(
-        f"{summary['task']} / {summary['method']} on {summary['model']} (seeds {summary['seeds']}): test {metrics}; "
+        f"{summary['task']} / {summary['method']} on {summary['model']} (seeds {summary['seeds']}): {split} {metrics}; "
         f"trainable {summary['trainable_params']:,} ({summary['trainable_percent']:.4f}%); "
         f"{summary['wall_time_s'] / 60:.1f} min"
     )
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .evaluate import encode_cached, evaluate, load_splits
+    from .evaluate import encode_cached, evaluate, load_task
     from .formats import EncoderFormat, head_outputs
     from .run import load_run
 
@@ -398,18 +501,38 @@ def _eval(args: argparse.Namespace) -> int:
             )
     config = dataclasses.replace(config, task=args.task or config.task, data_dir=args.data_dir or config.data_dir)
     fmt = dataclasses.replace(fmt, task=config.task)
-    examples = load_splits(config)[args.split]
+    _, splits, scored = load_task(config)
+    split = args.split if scored == "test" else "validation"  # a task without a test file: its validation split
+    examples = splits[split]
     scores = evaluate(model, fmt, encode_cached(fmt, examples, config), examples, config.eval_batch_size)
-    out = Path(args.adapter) / f"eval-{config.task}-{args.split}.json"
-    atomic_write_text(out, json.dumps({"task": config.task, "split": args.split, **scores}, indent=2) + "\n")
-    print(f"{config.task} {args.split}: " + ", ".join(f"{k} {100 * v:.2f}" for k, v in scores.items()) + f"  ({out})")
+    out = Path(args.adapter) / f"eval-{config.task}-{split}.json"
+    atomic_write_text(out, json.dumps({"task": config.task, "split": split, **scores}, indent=2) + "\n")
+    note = " (the task has no test file: validation scores)" if split != args.split else ""
+    print(f"{config.task} {split}{note}: " + ", ".join(f"{k} {100 * v:.2f}" for k, v in scores.items()) + f"  ({out})")
+    return 0
+
+
+def _tasks(args: argparse.Namespace) -> int:
+    from .tasks import builtin_tasks, read_task_file, resolved_spec
+
+    if args.file:
+        import yaml
+
+        print(yaml.safe_dump(resolved_spec(read_task_file(args.file)).to_dict(), sort_keys=False), end="")
+        return 0
+    for name, spec in builtin_tasks().items():
+        answer = f"labels {', '.join(map(str, spec.labels))}" if spec.kind == "classify" else "an option"
+        print(f"{name:8} {spec.kind:8} {answer}; metrics {', '.join(spec.metrics)}")
     return 0
 
 
 def _predict(args: argparse.Namespace) -> int:
-    from .predict import predict_file
+    from .predict import predict_file, predict_run
 
-    count = predict_file(_name_pairs(args.adapters, "--adapters"), Path(args.input), Path(args.output))
+    if args.run:
+        count = predict_run(Path(args.run), Path(args.input), Path(args.output))
+    else:
+        count = predict_file(_name_pairs(args.adapters, "--adapters"), Path(args.input), Path(args.output))
     print(f"{count} predictions written to {args.output}")
     return 0
 

@@ -20,34 +20,47 @@ from torch import nn
 
 from ..saving import atomic_write
 from . import formats
-from .data import TASKS, Example, paper_splits, templates
+from .data import Example
 from .formats import NO_OPTION, TaskFormat
 from .metrics import task_metrics
 from .run import RunConfig
+from .tasks import TaskSpec, builtin_tasks, get_task, preprocess, register_task, render, task_splits
 
 FEATURES_VERSION = 2  # bump when TaskFormat.encode changes, so cached tokenisations are rebuilt
 
 
 def load_splits(config: RunConfig) -> dict[str, list[Example]]:
-    """The paper's train/validation/test splits of config.task, cut to limit_train / limit_eval if set."""
-    splits = paper_splits(config.task, config.data_dir, seed=config.split_seed)
+    """The train/validation/test splits of config.task, cut to limit_train / limit_eval if set."""
+    return load_task(config)[1]
+
+
+def load_task(config: RunConfig) -> tuple[TaskSpec, dict[str, list[Example]], str]:
+    """(the task's spec, its splits cut to limit_train / limit_eval, the split its final scores come from).
+
+    Built-ins follow the paper (90/10 of official train, official validation as test); a user task without a
+    validation file carves 10% of train by label with `split_seed`, and without a test file is scored on
+    validation (the scored split is then "validation"). A user task's spec, its labels now read from the data, is
+    registered under its name, so the formats and metrics see them."""
+    spec, splits, scored = task_splits(get_task(config.task), seed=config.split_seed, data_dir=config.data_dir)
+    if spec.name not in builtin_tasks():
+        register_task(spec)
     limits = {"train": config.limit_train, "validation": config.limit_eval, "test": config.limit_eval}
-    splits = {name: examples[: limits[name]] if limits[name] else examples for name, examples in splits.items()}
-    _warn_of_untrained_classes(config.task, splits)
-    return splits
+    cut = {name: examples[: limits[name]] if limits[name] else examples for name, examples in splits.items()}
+    _warn_of_untrained_classes(spec, cut)
+    return spec, cut, scored
 
 
-def _warn_of_untrained_classes(task: str, splits: dict[str, list[Example]]) -> None:
+def _warn_of_untrained_classes(spec: TaskSpec, splits: dict[str, list[Example]]) -> None:
     """Warn, naming it, of a class that validation or test holds and training does not: it is never learnt, and
-    its examples are scored wrong whatever the method (ReCoRD's labels index each example's own candidates)."""
-    if task == "record":
+    its examples are scored wrong whatever the method (a choice task's labels index each example's own options)."""
+    if spec.kind != "classify":
         return
     trained = {ex.label for ex in splits["train"]}
     for split in ("validation", "test"):
         untrained = sorted({ex.label for ex in splits[split] if ex.label is not None} - trained)
         for label in untrained:
             warnings.warn(
-                f"{task}: the {split} split holds class {TASKS[task].labels[label]!r}, which no training example "
+                f"{spec.name}: the {split} split holds class {spec.labels[label]!r}, which no training example "
                 "has (check the data, or --limit-train): it is never learnt",
                 stacklevel=3,
             )
@@ -56,7 +69,8 @@ def _warn_of_untrained_classes(task: str, splits: dict[str, list[Example]]) -> N
 @cache
 def _template_code() -> str:
     """A hash of the code that turns examples into tokens: any edit to it invalidates the cache."""
-    return hashlib.sha256((inspect.getsource(templates) + inspect.getsource(formats)).encode()).hexdigest()
+    code = "".join(inspect.getsource(module) for module in (render, preprocess, formats))
+    return hashlib.sha256(code.encode()).hexdigest()
 
 
 def encode_cached(fmt: TaskFormat, examples: list[Example], config: RunConfig) -> list[dict]:
@@ -71,6 +85,8 @@ def encode_cached(fmt: TaskFormat, examples: list[Example], config: RunConfig) -
             fmt.max_length,
             getattr(fmt, "generate", None),
             fmt.cache_settings(),
+            getattr(fmt, "prompt_bos", None),
+            fmt.spec.to_dict(),  # the task's templates and labels: a user task may change them under one name
             fmt.tokenizer.name_or_path,
             len(fmt.tokenizer),
             [dataclasses.asdict(ex) for ex in examples],  # every field and label, not only the ids
@@ -120,9 +136,9 @@ def evaluate(
 def score_predictions(task: str, predictions: list[int], examples: list[Example]) -> dict[str, float]:
     """The task's metrics for one prediction per example: a label id, or for ReCoRD an index into the example's
     entities; NO_OPTION (a generated answer that is none of the options) counts as wrong."""
-    if task == "record":
+    if get_task(task).metrics[0] == "record":
         entities = [ex.candidates[p] if p != NO_OPTION else "" for ex, p in zip(examples, predictions, strict=True)]
-        return task_metrics("record", entities, [list(ex.answers) for ex in examples])
+        return task_metrics(task, entities, [list(ex.answers) for ex in examples])
     return task_metrics(task, predictions, [ex.label for ex in examples], groups=[ex.group for ex in examples])
 
 

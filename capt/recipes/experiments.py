@@ -545,20 +545,28 @@ def reference_results(config: RunConfig) -> list[dict[str, Any]]:
     majority: the most frequent training label for every test example (label tasks only).
     """
     from .backbones import load_backbone
-    from .data import TASKS
     from .evaluate import encode_cached, load_splits, predict, score_predictions
     from .formats import NO_OPTION, head_outputs, make_format
+    from .tasks import get_task
 
     splits = load_splits(config)
     backbone = load_backbone(config.model, num_labels=head_outputs(config.task), seed=0)
-    fmt = make_format(backbone.family, config.task, backbone.tokenizer, config.max_length, config.t5_generate)
+    fmt = make_format(
+        backbone.family,
+        config.task,
+        backbone.tokenizer,
+        config.max_length,
+        config.t5_generate,
+        prompt_bos=config.prompt_bos,
+    )
     test = splits["test"]
     predictions = predict(backbone.model, fmt, encode_cached(fmt, test, config), config.eval_batch_size)
     zero_shot = {"task": config.task, "method": "zero-shot", "test": score_predictions(config.task, predictions, test)}
-    if config.task == "record":  # a prediction indexes the example's own entities: no label to count or vote
+    spec = get_task(config.task)
+    if spec.options_field:  # a prediction indexes the example's own options (ReCoRD): no label to count or vote
         return [zero_shot]
     top, count = Counter(predictions).most_common(1)[0]
-    name = TASKS[config.task].labels[top] if top != NO_OPTION else "(none of the labels)"
+    name = str(spec.labels[top]) if top != NO_OPTION else "(none of the labels)"
     zero_shot["top_prediction"] = {"label": name, "share": count / len(test)}
     rows = [zero_shot]
     train_labels = [ex.label for ex in splits["train"]]

@@ -25,13 +25,52 @@ from transformers import PreTrainedTokenizerBase
 
 from ..config import CaptConfig
 from ..slots import positions_from_mask
-from .data import TASKS, Example, is_choice_task
-from .data import templates as tpl
+from .data import Example
+from .tasks import get_task, render
+from .tasks.spec import TaskSpec
 
 # What a generating format predicts for an answer that is none of the options: it matches no label, so it is wrong.
 NO_OPTION = -1
 
 Features = dict[str, Any]
+
+# How a decoder prompt starts: "tokenizer" adds a BOS only where the tokenizer itself adds one (the default, as
+# lm-evaluation-harness and the tokenizer's own chat template do); "always" puts the tokenizer's `bos_token` text in
+# front of every prompt, as capt did before 0.3 (the recorded setting of the runs made then).
+PROMPT_BOS = ("tokenizer", "always")
+
+
+def tokenizer_adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether `tokenizer(text)` starts with its BOS token (Llama's does; SmolLM2's and BERT's tokenizers do not)."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return False
+    with_special = tokenizer("a")["input_ids"]
+    return (
+        bool(with_special)
+        and with_special[0] == bos
+        and tokenizer("a", add_special_tokens=False)["input_ids"][:1] != [bos]
+    )
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, prompt_bos: str = "tokenizer") -> list[int]:
+    """The token ids of a decoder prompt: the one function training, evaluation, `predict` and `serve` encode with.
+
+    `prompt_bos="tokenizer"`: the text's ids, after a BOS only where the tokenizer adds one; `"always"`: the
+    tokenizer's `bos_token` text, then the prompt, as runs made before capt 0.3 read their prompts.
+
+    Example:
+        >>> from capt.recipes.backbones import load_backbone
+        >>> tokenizer = load_backbone("tiny-llama").tokenizer  # BERT's tokenizer: no BOS token at all
+        >>> encode_prompt(tokenizer, "hi") == tokenizer("hi", add_special_tokens=False)["input_ids"]
+        True
+    """
+    if prompt_bos not in PROMPT_BOS:
+        raise ValueError(f"prompt_bos {prompt_bos!r}; expected one of {', '.join(PROMPT_BOS)}")
+    if prompt_bos == "always":
+        return tokenizer((tokenizer.bos_token or "") + text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return [tokenizer.bos_token_id, *ids] if tokenizer_adds_bos(tokenizer) else ids
 
 
 @dataclass
@@ -41,6 +80,11 @@ class TaskFormat:
     task: str
     tokenizer: PreTrainedTokenizerBase
     max_length: int
+
+    @property
+    def spec(self) -> TaskSpec:
+        """The task's spec (built-in, or a registered user task)."""
+        return get_task(self.task)
 
     def encode(self, example: Example) -> Features:
         raise NotImplementedError
@@ -92,7 +136,7 @@ class EncoderFormat(TaskFormat):
         return torch.tensor([[value] * (width - len(r)) + r for r in rows], dtype=torch.long)
 
     def encode(self, example: Example) -> Features:
-        pairs = tpl.encoder_choices(example) if is_choice_task(self.task) else [tpl.encoder_text(example)]
+        pairs = render.encoder_pairs(self.spec, example)
         encoded = [
             self.tokenizer(text, pair, truncation="longest_first", max_length=self.max_length) for text, pair in pairs
         ]
@@ -115,7 +159,7 @@ class EncoderFormat(TaskFormat):
 
     def scores(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         logits = model(**batch["model_inputs"]).logits
-        if not is_choice_task(self.task):
+        if not self.spec.is_choice:
             return logits
         return _per_example(logits.squeeze(-1), batch["options"])
 
@@ -133,6 +177,9 @@ class OptionScoringFormat(TaskFormat):
     def _rows(self, source: list[int], targets: list[list[int]]) -> list[dict[str, list[int]]]:
         raise NotImplementedError
 
+    def _source_ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=self._special_in_source)["input_ids"]
+
     def encode(self, example: Example) -> Features:
         source_text, option_texts = self._option_texts(example)
         targets = [
@@ -141,7 +188,7 @@ class OptionScoringFormat(TaskFormat):
         room = self.max_length - max(len(t) for t in targets) if self._shares_length else self.max_length
         if room < 1:  # source[-0:] would keep everything: truncation off instead of on
             raise ValueError(f"max_length {self.max_length} leaves no room for the prompt of example {example.idx}")
-        source = self.tokenizer(source_text, add_special_tokens=self._special_in_source)["input_ids"]
+        source = self._source_ids(source_text)
         # Truncate from the left: the end of a prompt ("... Answer:") is what the options continue.
         source = source[-room:] if self._shares_length else source[:room]
         rows = self._rows(source, targets)
@@ -208,8 +255,7 @@ class T5Format(OptionScoringFormat):
         ]
 
     def _option_texts(self, example):
-        words = list(example.candidates) if is_choice_task(self.task) else tpl.t5_label_words(self.task)
-        return tpl.t5_input(example), words
+        return render.t5_source(self.spec, example), render.t5_targets(self.spec, example)
 
     def _rows(self, source, targets):
         return [{"input_ids": source, "labels": target} for target in targets]
@@ -219,15 +265,18 @@ class T5Format(OptionScoringFormat):
 class CausalLMFormat(OptionScoringFormat):
     """Prompt + continuation; labels are -100 on the prompt, so the capsule never sees the answer."""
 
+    prompt_bos: str = "tokenizer"  # see PROMPT_BOS and encode_prompt
+
     _special_in_source = False
     _special_in_targets = False
     _shares_length = True
     _shifted = True  # logits at position t predict token t + 1
 
     def _option_texts(self, example):
-        prompt = tpl.lm_prompt(example)
-        bos = self.tokenizer.bos_token or ""
-        return bos + prompt, tpl.lm_choices(example)
+        return render.lm_source(self.spec, example), render.lm_continuations(self.spec, example)
+
+    def _source_ids(self, text: str) -> list[int]:
+        return encode_prompt(self.tokenizer, text, self.prompt_bos)
 
     def _rows(self, source, targets):
         return [{"input_ids": source + target, "labels": [-100] * len(source) + target} for target in targets]
@@ -374,7 +423,8 @@ FORMATS = {"encoder": EncoderFormat, "encoder-decoder": T5Format, "decoder": Cau
 
 def head_outputs(task: str) -> int:
     """Outputs of an encoder's classification head: one per label, or one score per option for choice tasks."""
-    return 1 if is_choice_task(task) else len(TASKS[task].labels)
+    spec = get_task(task)
+    return 1 if spec.is_choice else len(spec.labels)
 
 
 def make_format(
@@ -384,6 +434,7 @@ def make_format(
     max_length: int,
     t5_generate: bool = False,
     decoder_head: str = "lm",
+    prompt_bos: str = "tokenizer",
 ) -> TaskFormat:
     """The format of a backbone family; decoders with `decoder_head="classifier"` read the encoder's, left-padded.
 
@@ -393,9 +444,15 @@ def make_format(
         >>> type(make_format("decoder", "copa", tokenizer, 64, decoder_head="classifier")).__name__
         'EncoderFormat'
     """
+    if get_task(task).kind == "generate":
+        raise ValueError(f"{task} is a generate task: it trains with the chat format, not a label-scoring one")
     if family == "decoder" and decoder_head == "classifier":
         return EncoderFormat(task=task, tokenizer=tokenizer, max_length=max_length, padding_side="left")
     options = {"generate": t5_generate} if family == "encoder-decoder" else {}
+    if family == "decoder":
+        if prompt_bos not in PROMPT_BOS:
+            raise ValueError(f"prompt_bos {prompt_bos!r}; expected one of {', '.join(PROMPT_BOS)}")
+        options = {"prompt_bos": prompt_bos}
     return FORMATS[family](task=task, tokenizer=tokenizer, max_length=max_length, **options)
 
 

@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Sequence
 from statistics import fmean
 
-from .data.superglue import TASKS
+from .tasks.registry import get_task
 
 
 def _check_lengths(preds: Sequence[object], labels: Sequence[object]) -> None:
@@ -101,31 +101,66 @@ def record_scores(pred_texts: Sequence[str], gold_answer_lists: Sequence[Sequenc
     }
 
 
-def task_metrics(task: str, preds: Sequence, labels: Sequence, groups: Sequence[str] | None = None) -> dict[str, float]:
-    """The task's SuperGLUE metrics plus "score", the number that enters the SuperGLUE average.
+def matthews(preds: Sequence[int], labels: Sequence[int], num_classes: int) -> float:
+    """Matthews correlation coefficient, multi-class (Gorodkin's R_K, as sklearn's matthews_corrcoef); 0 when a
+    side is constant.
 
-    Label tasks take int predictions and labels (accuracy; CB adds macro "f1", MultiRC "f1a"/"em" and needs
-    `groups`, the question id per answer). ReCoRD takes predicted entity strings and, as `labels`, the lists
-    of gold answers ("f1"/"em"). score: CB mean(accuracy, f1), MultiRC mean(f1a, em), ReCoRD mean(f1, em),
-    otherwise accuracy.
+    Example:
+        >>> matthews([0, 1, 1, 0], [0, 1, 0, 0], 2)
+        0.5773502691896258
     """
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; expected one of {sorted(TASKS)}")
-    if task == "record":
+    _check_lengths(preds, labels)
+    n = len(labels)
+    correct = sum(p == y for p, y in zip(preds, labels, strict=True))
+    predicted = [sum(p == k for p in preds) for k in range(num_classes)]
+    true = [sum(y == k for y in labels) for k in range(num_classes)]
+    numerator = correct * n - sum(p * t for p, t in zip(predicted, true, strict=True))
+    denominator = ((n * n - sum(p * p for p in predicted)) * (n * n - sum(t * t for t in true))) ** 0.5
+    return numerator / denominator if denominator else 0.0
+
+
+def task_metrics(task: str, preds: Sequence, labels: Sequence, groups: Sequence[str] | None = None) -> dict[str, float]:
+    """The task's metrics (its spec's `metrics`, by name) plus "score", the first metric's value: the number that
+    early stopping keeps the best of and that enters the SuperGLUE average.
+
+    Label and choice tasks take int predictions and labels: `accuracy`, `macro_f1`, `matthews`, and SuperGLUE's
+    `accuracy_macro_f1` (CB: "accuracy", "f1" and their mean) and `multirc` ("accuracy", "f1a", "em" and the mean of
+    the last two; needs `groups`, the question id per answer). `record` takes predicted entity strings and, as
+    `labels`, the lists of gold answers ("f1", "em" and their mean).
+    """
+    spec = get_task(task)
+    scores: dict[str, float] = {}
+    headline = None
+    for name in spec.metrics:
+        part = _metric(name, preds, labels, groups, len(spec.labels) or 2)
+        headline = part.pop("score") if headline is None else headline
+        part.pop("score", None)
+        scores.update(part)
+    return {**scores, "score": headline}
+
+
+def _metric(name: str, preds: Sequence, labels: Sequence, groups: Sequence[str] | None, classes: int) -> dict:
+    if name == "record":
         scores = record_scores(preds, labels)
         return {**scores, "score": (scores["f1"] + scores["em"]) / 2}
-    scores = {"accuracy": accuracy(preds, labels)}
-    if task == "cb":
-        scores["f1"] = macro_f1(preds, labels, len(TASKS["cb"].labels))
-        scores["score"] = (scores["accuracy"] + scores["f1"]) / 2
-    elif task == "multirc":
+    if name == "accuracy":
+        value = accuracy(preds, labels)
+        return {"accuracy": value, "score": value}
+    if name == "macro_f1":
+        value = macro_f1(preds, labels, classes)
+        return {"macro_f1": value, "score": value}
+    if name == "matthews":
+        value = matthews(preds, labels, classes)
+        return {"matthews": value, "score": value}
+    if name == "accuracy_macro_f1":
+        scores = {"accuracy": accuracy(preds, labels), "f1": macro_f1(preds, labels, classes)}
+        return {**scores, "score": (scores["accuracy"] + scores["f1"]) / 2}
+    if name == "multirc":
         if groups is None:
             raise ValueError("MultiRC needs the question group of every answer for its exact match")
-        scores.update(multirc_scores(preds, labels, groups))
-        scores["score"] = (scores["f1a"] + scores["em"]) / 2
-    else:
-        scores["score"] = scores["accuracy"]
-    return scores
+        scores = {"accuracy": accuracy(preds, labels), **multirc_scores(preds, labels, groups)}
+        return {**scores, "score": (scores["f1a"] + scores["em"]) / 2}
+    raise ValueError(f"metric {name!r} is not computed for label predictions (generate metrics score texts)")
 
 
 def superglue_average(scores: dict[str, float]) -> float:

@@ -1,7 +1,9 @@
-"""`capt predict`: one frozen backbone serving several trained tasks, for an input file that mixes them.
+"""`capt predict`: a trained run's answers for new inputs.
 
-Each task's CaPT run (from `capt train`) contributes its adapter to one capsule bank on one copy of the backbone;
-every input line is an official SuperGLUE record with a "task" field naming the adapter that answers it.
+- `--run R --input new.jsonl`: one run (any method, any task), inputs in the task's own fields (a SuperGLUE task's
+  official records, a user task's columns), in any file type the task layer reads.
+- `--adapters a=R1,b=R2 --input mixed.jsonl`: one frozen backbone serving several CaPT runs as one capsule bank;
+  every input line carries a "task" field naming the adapter that answers it.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from ..bank import load_bank
 from ..model import CaptModel
 from ..saving import atomic_write
 from .backbones import load_backbone
-from .data import TASKS, DataFormatError, Example, is_choice_task, parse_record
+from .data import DataFormatError, Example
 from .data.superglue import read_jsonl
-from .formats import EncoderFormat, TaskFormat, head_outputs, make_format
-from .run import ADAPTER_DIR, missing_weights, read_run_config
+from .evaluate import encode_cached, predict
+from .formats import NO_OPTION, EncoderFormat, TaskFormat, head_outputs, make_format
+from .run import ADAPTER_DIR, load_run, missing_weights, read_run_config
+from .tasks import get_task, parse_task_record, read_rows
 
 
 def read_mixed_input(path: Path, tasks: set[str]) -> list[tuple[int, str, list[Example]]]:
@@ -30,7 +34,7 @@ def read_mixed_input(path: Path, tasks: set[str]) -> list[tuple[int, str, list[E
         task = record.pop("task", None) if isinstance(record, dict) else None
         if task not in tasks:
             raise DataFormatError(f"{where}: field 'task' is {task!r}; this bank serves {sorted(tasks)}")
-        rows.append((number, task, parse_record(task, record, where)))
+        rows.append((number, task, parse_task_record(get_task(task), record, where)))
     if not rows:
         raise DataFormatError(f"{path}: no records")
     return rows
@@ -62,7 +66,7 @@ def score_examples(bank: CaptModel, items: list[tuple[str, TaskFormat, Example]]
     # Encoder heads read choice and label tasks differently, so those two kinds go in separate forwards.
     kinds: dict[bool, list[int]] = {}
     for i, (_, fmt, _) in enumerate(items):
-        kinds.setdefault(isinstance(fmt, EncoderFormat) and is_choice_task(fmt.task), []).append(i)
+        kinds.setdefault(isinstance(fmt, EncoderFormat) and fmt.spec.is_choice, []).append(i)
     for order in kinds.values():
         for start in range(0, len(order), batch_size):
             chunk = order[start : start + batch_size]
@@ -73,20 +77,62 @@ def score_examples(bank: CaptModel, items: list[tuple[str, TaskFormat, Example]]
             table = fmt.scores(partial(bank, adapter_names=rows), batch)
             for i, row in zip(chunk, table.tolist(), strict=True):
                 _, item_fmt, example = items[i]
-                names = list(example.candidates) if item_fmt.task == "record" else list(TASKS[item_fmt.task].labels)
+                names = option_names(item_fmt.spec, example)
                 scores = dict(zip(names, row, strict=False))
                 results[i] = Scored(example.idx, max(scores, key=scores.get), scores)
     return results
+
+
+def option_names(spec, example: Example) -> list[str]:
+    """What a prediction's index names: the label, or a choice example's option (its text where options vary)."""
+    if spec.options_field:
+        return list(example.candidates)
+    if spec.is_choice and not spec.labels:
+        return [str(example.fields[name]) for name in spec.option_fields]
+    return [str(label) for label in spec.labels]
+
+
+def predict_run(run_dir: Path, input_path: Path, output_path: Path) -> int:
+    """Write the run's prediction for every input row (in input order) to `output_path` (jsonl); returns the count.
+
+    Rows hold the task's own fields (a label, if present, is checked but not used). Each output line names the
+    input line, the predicted label (or option) and, for a choice task, its index. The input is never touched."""
+    refuse_output_over_input(input_path, output_path)
+    config, model, fmt = load_run(run_dir)
+    spec = get_task(config.task)
+    examples = []
+    for where, row in read_rows(input_path):
+        examples.extend((where, ex) for ex in parse_task_record(spec, row, where))
+    if not examples:
+        raise DataFormatError(f"{input_path}: no rows to predict")
+    features = encode_cached(fmt, [ex for _, ex in examples], config)
+    chosen = predict(model, fmt, features, config.eval_batch_size)
+    lines = []
+    for (where, ex), index in zip(examples, chosen, strict=True):
+        names = option_names(spec, ex)
+        record = {"row": where.rsplit(":", 1)[-1] if ":" in where else where, "task": spec.name}
+        record["prediction"] = names[index] if index != NO_OPTION else None
+        if spec.is_choice:
+            record["index"] = index
+        lines.append(json.dumps(record) + "\n")
+    atomic_write(output_path, lambda tmp: Path(tmp).write_text("".join(lines)))
+    return len(lines)
+
+
+def refuse_output_over_input(input_path: Path, output_path: Path) -> None:
+    """Refuse, before anything is read, an output that is the input: the same path, a link to it, or the same file
+    under another name (the input is never touched)."""
+    if output_path.resolve() == input_path.resolve() or (
+        output_path.exists() and input_path.exists() and output_path.samefile(input_path)
+    ):
+        raise ValueError(f"--output {output_path} is the --input file {input_path}; write the predictions elsewhere")
 
 
 def predict_file(runs: dict[str, Path], input_path: Path, output_path: Path, batch_size: int = 32) -> int:
     """Write one prediction per example of `input_path` (in input order) to `output_path`; returns the count.
     An output that is the input (the same path, a link to it, or the same file under another name) is refused
     before anything is read: the input is never touched."""
-    if output_path.resolve() == input_path.resolve() or (
-        output_path.exists() and input_path.exists() and output_path.samefile(input_path)
-    ):
-        raise ValueError(f"--output {output_path} is the --input file {input_path}; write the predictions elsewhere")
+    refuse_output_over_input(input_path, output_path)
     configs = {task: read_run_config(run) for task, run in runs.items()}
     for task, config in configs.items():
         if config.task != task or config.method != "capt":
@@ -102,7 +148,7 @@ def predict_file(runs: dict[str, Path], input_path: Path, output_path: Path, bat
     bank = load_bank(backbone.model, {task: runs[task] / ADAPTER_DIR for task in runs})
     rows = read_mixed_input(input_path, set(runs))
     formats = {
-        task: make_format(backbone.family, task, backbone.tokenizer, config.max_length)
+        task: make_format(backbone.family, task, backbone.tokenizer, config.max_length, prompt_bos=config.prompt_bos)
         for task, config in configs.items()
     }
     items = [(task, formats[task], ex) for _, task, examples in rows for ex in examples]

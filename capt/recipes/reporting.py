@@ -192,6 +192,7 @@ def aggregate_seeds(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "epochs_run": [r["epochs_run"] for r in runs],
         "best_epoch": [r["best_epoch"] for r in runs],
         "wall_time_s": round(sum(r["wall_time_s"] for r in runs), 1),
+        **({"scored_split": first["scored_split"]} if "scored_split" in first else {}),
         "runs": runs,
     }
 

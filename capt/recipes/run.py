@@ -35,9 +35,9 @@ from torch import nn
 
 from ..config import VARIANTS
 from .backbones import load_backbone
-from .data import TASKS
-from .formats import TaskFormat, head_outputs, make_format
+from .formats import PROMPT_BOS, TaskFormat, head_outputs, make_format
 from .methods import METHODS, MethodOptions, apply_method, extra_positions
+from .tasks import TASK_FILE_NAME, get_task, read_task_file, register_task
 
 RESULTS_NAME = "results.json"
 RUN_CONFIG_NAME = "run_config.json"
@@ -76,7 +76,7 @@ DEFAULT_LR_SECONDARY = 5e-4
 class RunConfig:
     """One training run. Every field is a `capt train` flag and a YAML key (see configs/)."""
 
-    task: str = "rte"
+    task: str = "rte"  # a built-in task, a registered user task, or a task YAML file (read and registered)
     method: str = "capt"
     variant: str = "add"
     model: str = "minilm"
@@ -105,6 +105,9 @@ class RunConfig:
     virtual_tokens: int = 20
     lora_rank: int = 8
     decoder_head: str = "lm"  # decoder-only: lm (label-word likelihoods) | classifier (score head on the last token)
+    # Decoder prompts: "tokenizer" adds a BOS only where the tokenizer does; "always" puts the BOS text first, as
+    # runs before capt 0.3 did (a run_config.json without this key reads back as "always").
+    prompt_bos: str = "tokenizer"
     prompt_length: int | None = None  # dept, lopa, idpg, m-idpg, smop, residual, vfpt: None = the paper's default
     prompt_rank: int | None = None  # dept, lopa: None = the paper's default
     bottleneck: int | None = None  # idpg, m-idpg, residual, adapter: None = the paper's default
@@ -116,6 +119,10 @@ class RunConfig:
     def __post_init__(self) -> None:
         for spec in fields(self):
             setattr(self, spec.name, _checked(spec.name, getattr(self, spec.name)))
+        try:
+            self.task = get_task(self.task).name  # a task file is read (and registered) here, then named
+        except ValueError as err:
+            raise ValueError(f"{_where('task')}: {err}") from err
         if self.lr is None:
             self.lr = DEFAULT_LR[self.method]
         if self.decoder_head not in ("lm", "classifier"):
@@ -143,7 +150,7 @@ class RunConfig:
 # The allowed values of every RunConfig field, checked in __post_init__ (so flags, YAML and run_config.json
 # all meet the same rules). A tuple: the choices; a pair of numbers (low, high): an inclusive range, None = open.
 FIELD_RULES: dict[str, tuple] = {
-    "task": tuple(TASKS),
+    "prompt_bos": PROMPT_BOS,
     "method": tuple(METHODS),
     "variant": VARIANTS,
     "optimizer": ("adamw", "adafactor"),
@@ -223,7 +230,7 @@ def _checked(name: str, value: object) -> object:
 
 
 def read_run_config(run_dir: str | Path) -> RunConfig:
-    """The settings of a run folder written by `capt train`.
+    """The settings of a run folder written by `capt train`; its task.yaml (a user task's spec) is registered.
 
     Keys this version does not know (a run written by a newer version) are ignored with a warning that names
     them, so `capt eval` and `capt predict` still work; the known keys are checked as for a new run.
@@ -237,16 +244,26 @@ def read_run_config(run_dir: str | Path) -> RunConfig:
         settings = json.loads(config_file.read_text())
     except ValueError as err:
         raise ValueError(f"{config_file} is not valid JSON ({err}); the run folder is damaged") from err
+    register_run_task(run_dir)
     return run_config_from_dict(settings, config_file)
+
+
+def register_run_task(run_dir: str | Path) -> None:
+    """Make the task recorded in a run folder (its task.yaml, written for user tasks) known by its name."""
+    task_file = Path(run_dir) / TASK_FILE_NAME
+    if task_file.is_file():
+        register_task(read_task_file(task_file))
 
 
 def run_config_from_dict(settings: object, source: Path) -> RunConfig:
     """RunConfig from stored settings (run_config.json, a checkpoint); errors and unknown keys name `source`.
 
-    Fields missing from `settings` (added after the file was written) take their defaults.
+    Fields missing from `settings` (added after the file was written) take their defaults, except `prompt_bos`:
+    a run written before it existed put a BOS before every prompt, so it reads back as "always".
     """
     if not isinstance(settings, dict):
         raise ValueError(f"{source}: expected a JSON object of settings")
+    settings = {"prompt_bos": "always", **settings}
     known = {f.name for f in fields(RunConfig)}
     unknown = sorted(set(settings) - known)
     if unknown:
@@ -322,7 +339,13 @@ def build_model(config: RunConfig) -> tuple[nn.Module, TaskFormat]:
             stacklevel=2,
         )
     fmt = make_format(
-        backbone.family, config.task, backbone.tokenizer, max_length, config.t5_generate, config.decoder_head
+        backbone.family,
+        config.task,
+        backbone.tokenizer,
+        max_length,
+        config.t5_generate,
+        config.decoder_head,
+        config.prompt_bos,
     )
     return apply_method(backbone, config.method, config.method_options()), fmt
 

@@ -32,7 +32,7 @@ from ..baselines.registry import auxiliary_loss
 from ..model import CaptModel, count_parameters
 from ..optim import param_groups
 from ..saving import atomic_write, atomic_write_text
-from .evaluate import encode_cached, evaluate, load_splits, to_device
+from .evaluate import encode_cached, evaluate, load_task, to_device
 from .formats import TaskFormat
 from .methods import method_revision
 from .reporting import MetricsLog, environment, plot_learning_curves
@@ -52,6 +52,7 @@ from .run import (
     setting_differences,
     trainable_state,
 )
+from .tasks import TASK_FILE_NAME, builtin_tasks, write_task_file
 
 
 @dataclass
@@ -133,7 +134,8 @@ class TrainingRecipe:
             check_resumable(config, self._checkpoint_settings(checkpoint))
         if slow_bf16(config, accelerator.device):
             accelerator.print(SLOW_BF16_WARNING)
-        self.splits = load_splits(config)  # first: a data error stops the run before the model loads
+        # First: a data error stops the run before the model loads. A user task's labels come from its data.
+        self.spec, self.splits, self.scored_split = load_task(config)
         self._setup_model()
         self._setup_data()
         self._setup_optimizer()
@@ -323,10 +325,14 @@ class TrainingRecipe:
             "method_revision": method_revision(config.method),
             "environment": environment(),  # float32 results agree across CPU kinds only to rounding
         }
+        if self.scored_split != "test":  # a user task without a test file: "test" holds its validation scores
+            results["scored_split"] = self.scored_split
         if self.accelerator.is_main_process:
             best = {k: v.contiguous() for k, v in self.best_state.items()}
             atomic_write(self.out / TRAINABLE_NAME, lambda tmp: save_file(best, tmp))
             # The settings go right beside the weights they produced (an overwrite kept the old ones until now).
+            if self.spec.name not in builtin_tasks():  # the run names a user task: it carries the task's spec
+                write_task_file(self.spec, self.out / TASK_FILE_NAME)
             atomic_write_text(self.out / RUN_CONFIG_NAME, json.dumps(asdict(config), indent=2) + "\n")
             pause_point("trainable")
             if isinstance(model, CaptModel):

@@ -136,29 +136,41 @@ def paper_splits(
     task = _check_task(task)
     train = load_split(task, "train", data_dir)
     test = load_split(task, "val", data_dir)
-    rng = random.Random(seed)
-    if task in _GROUPED:
-        docs = sorted({str(ex.doc) for ex in train})
-        rng.shuffle(docs)
-        chosen_docs = set(docs[: _clamp(round(len(docs) * val_fraction), len(docs))])
-        is_val = [ex.doc in chosen_docs for ex in train]
-    else:
-        by_label: dict[int | None, list[int]] = defaultdict(list)
-        for i, ex in enumerate(train):
-            by_label[ex.label].append(i)
-        counts = {label: len(ids) for label, ids in by_label.items()}
-        quotas = _stratified_quotas(counts, val_fraction)
-        chosen: set[int] = set()
-        for label in sorted(by_label, key=str):  # fixed class order so the rng draws are reproducible
-            ids = by_label[label]
-            rng.shuffle(ids)
-            chosen.update(ids[: quotas[label]])
-        is_val = [i in chosen for i in range(len(train))]
+    is_val = validation_mask(train, val_fraction, seed, grouped=task in _GROUPED)
     return {
         "train": [ex for ex, v in zip(train, is_val, strict=True) if not v],
         "validation": [ex for ex, v in zip(train, is_val, strict=True) if v],
         "test": test,
     }
+
+
+def validation_mask(examples: list[Example], fraction: float, seed: int, grouped: bool = False) -> list[bool]:
+    """Which examples the paper's rule carves out of a training split for validation: `fraction` of them, stratified
+    by label (per class within one example of its share; a class with >= 2 examples keeps at least one on each
+    side), or with `grouped`, whole `doc`s chosen at random. Deterministic for a seed.
+
+    Example:
+        >>> exs = [Example("t", i, {}, i % 2) for i in range(10)]
+        >>> sum(validation_mask(exs, 0.2, seed=0))
+        2
+    """
+    rng = random.Random(seed)
+    if grouped:
+        docs = sorted({str(ex.doc) for ex in examples})
+        rng.shuffle(docs)
+        chosen_docs = set(docs[: _clamp(round(len(docs) * fraction), len(docs))])
+        return [ex.doc in chosen_docs for ex in examples]
+    by_label: dict[int | None, list[int]] = defaultdict(list)
+    for i, ex in enumerate(examples):
+        by_label[ex.label].append(i)
+    counts = {label: len(ids) for label, ids in by_label.items()}
+    quotas = _stratified_quotas(counts, fraction)
+    chosen: set[int] = set()
+    for label in sorted(by_label, key=str):  # fixed class order so the rng draws are reproducible
+        ids = by_label[label]
+        rng.shuffle(ids)
+        chosen.update(ids[: quotas[label]])
+    return [i in chosen for i in range(len(examples))]
 
 
 def _clamp(n_val: int, n: int) -> int:

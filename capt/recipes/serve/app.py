@@ -23,7 +23,8 @@ from pydantic import AfterValidator, BaseModel, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..chat import prompt_ids as chat_prompt_ids
-from ..data import TASKS
+from ..formats import encode_prompt
+from ..tasks import builtin_tasks
 from .engine import BASE_MODEL, Classification, Completion, Engine, QueueFull
 
 
@@ -283,10 +284,11 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
         check_model(body, body.max_tokens)
-        # In a thread: a long prompt takes a while to tokenise, and the event loop serves every other client.
-        prompt_ids = (await asyncio.to_thread(engine.tokenizer, body.prompt, add_special_tokens=False))["input_ids"]
-        if engine.tokenizer.bos_token_id is not None:
-            prompt_ids = [engine.tokenizer.bos_token_id, *prompt_ids]
+        # As the adapter's run encoded its prompts (a BOS where the tokenizer adds one, or as its run recorded); in a
+        # thread: a long prompt takes a while to tokenise, and the event loop serves every other client.
+        prompt_ids = await asyncio.to_thread(
+            encode_prompt, engine.tokenizer, body.prompt, engine.prompt_bos(body.model)
+        )
         check_prompt(prompt_ids)
         stop = body.stops
         job, events = submit(
@@ -476,9 +478,9 @@ class _BodyLimit:
 
 
 def _task(engine: Engine, name: str) -> str | None:
-    """The SuperGLUE task an adapter answers in /v1/classify (None: completions only)."""
+    """The task an adapter answers in /v1/classify (None: completions only)."""
     info = engine.adapters.get(name)
-    return None if info is None else info.task or (name if name in TASKS else None)
+    return None if info is None else info.task or (name if name in builtin_tasks() else None)
 
 
 class _EngineCounters:

@@ -26,10 +26,11 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ...model import CaptModel
-from ..data import TASKS, Example, parse_record
+from ..data import Example
 from ..formats import TaskFormat, make_format
 from ..predict import Scored, score_examples
 from ..run import ADAPTER_DIR, RUN_CONFIG_NAME, missing_weights, read_run_config
+from ..tasks import get_task, parse_task_record
 
 BASE_MODEL = "base"  # the `model` name that runs the frozen backbone without capsules
 
@@ -90,8 +91,9 @@ class QueueFull(Exception):
 @dataclass
 class AdapterInfo:
     path: str
-    task: str | None  # the SuperGLUE task it answers in /v1/classify (a run's task, or its name if one)
+    task: str | None  # the task it answers in /v1/classify (a run's task, or its name if a built-in's)
     max_length: int
+    prompt_bos: str = "tokenizer"  # how its run encoded decoder prompts (RunConfig.prompt_bos)
 
 
 def adapter_folder(path: str | Path) -> tuple[Path, AdapterInfo]:
@@ -101,7 +103,8 @@ def adapter_folder(path: str | Path) -> tuple[Path, AdapterInfo]:
         raise missing_weights(directory / ADAPTER_DIR)  # a run folder without its adapter
     if (directory / ADAPTER_DIR).is_dir():
         config = read_run_config(directory)
-        return directory / ADAPTER_DIR, AdapterInfo(str(directory), config.task, config.max_length)
+        info = AdapterInfo(str(directory), config.task, config.max_length, config.prompt_bos)
+        return directory / ADAPTER_DIR, info
     if not directory.is_dir():
         raise FileNotFoundError(f"{path}: no such adapter folder or `capt train` run folder")
     return directory, AdapterInfo(str(directory), None, 256)
@@ -163,6 +166,11 @@ class Engine:
             self.adapters[name] = info
         return info
 
+    def prompt_bos(self, name: str) -> str:
+        """How prompts for `name` (an adapter, or the base model) are encoded: as its run was trained."""
+        info = self.adapters.get(name)
+        return "tokenizer" if info is None else info.prompt_bos
+
     def unload(self, name: str) -> None:
         with self.lock:
             if name not in self.adapters:
@@ -176,7 +184,8 @@ class Engine:
             del self.adapters[name]
 
     def classification_items(self, records: list[dict]) -> list[list[tuple[str, TaskFormat, Example]]]:
-        """Parse official records (each with a `task` naming an adapter); raises LookupError / ValueError."""
+        """Parse records (each with a `task` naming an adapter; official records for SuperGLUE tasks, the task's own
+        fields for a user task); raises LookupError / ValueError."""
         items = []
         for number, record in enumerate(records):
             if not isinstance(record, dict):
@@ -186,11 +195,12 @@ class Engine:
             info = self.adapters.get(name)
             if info is None:
                 raise LookupError(f"records[{number}]: task {name!r} names no loaded adapter")
-            task = info.task or name
-            if task not in TASKS:
-                raise ValueError(f"records[{number}]: adapter {name!r} answers no SuperGLUE task")
-            fmt = make_format(self.family, task, self.tokenizer, info.max_length)
-            items.append([(name, fmt, ex) for ex in parse_record(task, record, f"records[{number}]")])
+            try:
+                spec = get_task(info.task or name)
+            except ValueError as err:
+                raise ValueError(f"records[{number}]: adapter {name!r} answers no task ({err})") from err
+            fmt = make_format(self.family, spec.name, self.tokenizer, info.max_length, prompt_bos=info.prompt_bos)
+            items.append([(name, fmt, ex) for ex in parse_task_record(spec, record, f"records[{number}]")])
         return items
 
     # ------------------------------------------------------------------ the worker
