@@ -3,7 +3,7 @@
 *Structural* tokens are the ones the task format adds around the example's text: special tokens ([CLS], [SEP],
 </s>, ...) and template words ("rte", "hypothesis", ":", "Question", "Answer"). They are found by encoding the
 same example with every text field emptied (the *skeleton*) and aligning the skeleton's tokens with the real
-ones, so the templates in `capt.recipes.data.templates` stay the only place that knows them. Words a field selects
+ones, so the task files (`capt.recipes.tasks`) stay the only place that knows them. Words a field selects
 from the template (COPA's "because"/"so") count as input.
 """
 
