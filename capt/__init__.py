@@ -16,4 +16,4 @@ from .optim import param_groups
 register_available()
 
 __all__ = ["CaptConfig", "CaptModel", "get_capt_model", "param_groups"]
-__version__ = "0.2.0"
+__version__ = "0.3.0"
