@@ -561,7 +561,13 @@ def _lm_eval(args: argparse.Namespace) -> int:
 
 def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser("serve", help="HTTP service: one backbone, many CaPT adapters, mixed-task batches")
-    serve.add_argument("--model", required=True, help="the backbone the adapters were trained on (e.g. tiny-llama)")
+    from .settings import NAMED_MODELS
+
+    serve.add_argument(
+        "--model",
+        required=True,
+        help=f"the backbone the adapters were trained on: a name ({', '.join(NAMED_MODELS)}), a folder or a Hub id",
+    )
     serve.add_argument("--adapters", required=True, help="name=FOLDER pairs (run or adapter folders), comma-separated")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
