@@ -106,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
         "--split",
         choices=("test", "validation"),
         default="test",
-        help="the split to score; a task without a test file scores its validation split (default: test)",
+        help="the split to score; a task without a test file scores its validation split (default: %(default)s)",
     )
     evaluate.set_defaults(handler=_eval)
 
@@ -243,11 +243,11 @@ def _add_run_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = (
 
     parser.add_argument(
         "--config",
-        help=f"YAML file of RunConfig settings, or the name of a shipped one: {', '.join(shipped_configs())} "
-        "(default: none, RunConfig's defaults)",
+        help=f"YAML file of RunConfig settings, or the name of a shipped one ({', '.join(shipped_configs())}); "
+        "default: none, RunConfig's defaults",
     )
     parser.add_argument(
-        "--seeds", type=int, default=1, help="train seeds seed..seed+N-1; report mean and std (default: 1)"
+        "--seeds", type=int, default=1, help="train seeds seed..seed+N-1; report mean and std (default: %(default)s)"
     )
     parser.add_argument(
         "--overwrite", action="store_true", help="replace results already in --output-dir (default: off)"
@@ -570,21 +570,31 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--adapters", required=True, help="name=FOLDER pairs (run or adapter folders), comma-separated")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (default: $CAPT_API_KEY)")
     serve.add_argument(
-        "--batch-window-ms", type=float, default=5.0, help="how long a batch waits for more requests (default: 5)"
+        "--batch-window-ms",
+        type=float,
+        default=5.0,
+        help="how long a batch waits for more requests (default: %(default)s ms)",
     )
-    serve.add_argument("--max-batch", type=int, default=16, help="requests per model batch (default: 16)")
-    serve.add_argument("--queue-size", type=int, default=64, help="waiting requests before 429 (default: 64)")
-    serve.add_argument("--max-prompt-tokens", type=int, default=1024, help="longest prompt accepted (default: 1024)")
+    serve.add_argument("--max-batch", type=int, default=16, help="requests per model batch (default: %(default)s)")
+    serve.add_argument("--queue-size", type=int, default=64, help="waiting requests before 429 (default: %(default)s)")
     serve.add_argument(
-        "--max-tokens", type=int, default=256, help="largest max_tokens a request may ask (default: 256)"
+        "--max-prompt-tokens", type=int, default=1024, help="longest prompt accepted (default: %(default)s)"
     )
     serve.add_argument(
-        "--max-body-bytes", type=int, default=1 << 20, help="largest request body, else 413 (default: 1048576, 1 MiB)"
+        "--max-tokens", type=int, default=256, help="largest max_tokens a request may ask (default: %(default)s)"
     )
-    serve.add_argument("--timeout", type=float, default=60.0, help="seconds before a request gets 504 (default: 60)")
+    serve.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=1 << 20,
+        help="largest request body, else 413 (default: %(default)s, 1 MiB)",
+    )
+    serve.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds before a request gets 504 (default: %(default)s)"
+    )
     serve.set_defaults(handler=_serve)
 
 
@@ -675,13 +685,18 @@ def _add_analyze_parser(commands: argparse._SubParsersAction) -> None:
     )
     attention.add_argument("--model", help="without --run: a bare model (e.g. minilm, tiny-t5), needs --task")
     attention.add_argument("--task", help="default: the runs' task")
-    attention.add_argument("--examples", type=int, default=32, help="examples to sample (default: 32)")
-    attention.add_argument("--seed", type=int, default=0, help="seed of the example sample (default: 0)")
+    attention.add_argument("--examples", type=int, default=32, help="examples to sample (default: %(default)s)")
+    attention.add_argument("--seed", type=int, default=0, help="seed of the example sample (default: %(default)s)")
     attention.add_argument(
-        "--split", choices=("test", "validation", "train"), default="test", help="the split to sample (default: test)"
+        "--split",
+        choices=("test", "validation", "train"),
+        default="test",
+        help="the split to sample (default: %(default)s)",
     )
     attention.add_argument("--max-length", type=int, help="truncate inputs here (default: the runs')")
-    attention.add_argument("--max-tokens", type=int, default=48, help="tokens drawn per heatmap axis (default: 48)")
+    attention.add_argument(
+        "--max-tokens", type=int, default=48, help="tokens drawn per heatmap axis (default: %(default)s)"
+    )
     attention.add_argument("--data-dir", help="SuperGLUE folder (default: the run's, or CAPT_DATA_DIR)")
     attention.add_argument("--output-dir", required=True, help="report folder (PNGs, attention.json, report.md)")
     attention.set_defaults(handler=_analyze_attention)
@@ -691,10 +706,10 @@ def _add_analyze_parser(commands: argparse._SubParsersAction) -> None:
     )
     instance.add_argument("--run", required=True, help="a deep-prompt run folder from `capt train`")
     instance.add_argument(
-        "--ks", default="0,1,2,4", help="comma-separated numbers of instance tokens (default: 0,1,2,4)"
+        "--ks", default="0,1,2,4", help="comma-separated numbers of instance tokens (default: %(default)s)"
     )
     instance.add_argument(
-        "--split", choices=("test", "validation"), default="test", help="the split to score (default: test)"
+        "--split", choices=("test", "validation"), default="test", help="the split to score (default: %(default)s)"
     )
     instance.add_argument("--data-dir", help="SuperGLUE folder (default: the run's, or CAPT_DATA_DIR)")
     instance.add_argument("--output-dir", required=True, help="report folder (PNG, instance_tokens.json, report.md)")
