@@ -15,6 +15,7 @@ from typing import Any
 
 from .baselines.options import PROMPT_OPTIONS, make_options, options_dict
 from .import_utils import config_base
+from .variants import VARIANTS
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -31,7 +32,6 @@ PEFT_BOOKKEEPING_KEYS = (
     "inference_mode",
 )
 
-VARIANTS = ("add", "prepend", "extract", "project")
 INITS = ("zeros", "normal")
 TARGETS = ("auto", "encoder", "decoder", "both")
 

@@ -102,6 +102,16 @@ def test_the_wheel_installs_into_a_fresh_venv_and_runs_outside_the_checkout(tmp_
     assert where.stdout.decode().startswith(str(tmp_path / "venv")), where  # the wheel's copy, not the checkout
     assert "train" in capt("--help") and "sweep" in capt("--help")
     assert "shipped one (llama-3.2-1b, minilm" in " ".join(capt("train", "--help").split())
+    imported = subprocess.run(
+        [bin_dir / "python", "-X", "importtime", "-m", "capt.recipes.cli", "train", "--help"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stderr
+    top_level = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in imported.splitlines()}
+    assert "capt" in top_level and not top_level & {"torch", "transformers", "peft"}  # the help loads no torch
     capt(
         *("train", "--config", "minilm", "--task", "cb", "--epochs", "1", "--limit-train", "16"),
         *("--limit-eval", "8", "--max-length", "64", "--data-dir", str(DATA), "--output-dir", "run"),

@@ -86,8 +86,24 @@ def _modules_after(statement: str) -> set[str]:
     return set(json.loads(out))
 
 
-def test_import_capt_loads_no_recipe_and_no_recipe_dependency():
+def test_import_capt_alone_loads_no_torch():
     loaded = _modules_after("import capt")
+    assert not [m for m in loaded if m.split(".")[0] in ("torch", "transformers", "peft")]
+    assert not [m for m in loaded if m.startswith("capt.recipes")]
+
+
+@pytest.mark.parametrize(
+    "statement", ["import capt, peft", "import peft, capt", "import capt; capt.CaptConfig", "import capt.model"]
+)
+def test_capt_is_registered_with_peft_once_both_are_loaded(statement):
+    """Whichever order the program imports them in, and whichever of capt's modules pulls peft in."""
+    code = f"{statement}; import peft.mapping as m; print(m.PEFT_TYPE_TO_TUNER_MAPPING['CAPT'].__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "CaptTuner"
+
+
+def test_import_capt_loads_no_recipe_and_no_recipe_dependency():
+    loaded = _modules_after("import capt; capt.get_capt_model")
     assert "capt.model" in loaded and "capt.integrations.peft" in loaded  # the library and its PEFT registration
     assert not [m for m in loaded if m.startswith("capt.recipes")]
     # peft itself imports accelerate (a hard dependency of peft); nothing of capt's adds any other heavy module.

@@ -38,8 +38,8 @@ from transformers import (
 from ..injector import absolute_positions
 from ..sites import config_family, model_family
 from .gguf import GGUF_BACKBONES, pretrained_folder
+from .settings import TINY_MODELS
 
-TINY_MODELS = {"tiny-t5": "t5", "tiny-llama": "llama", "tiny-gpt2": "gpt2"}
 RANDOM_ARCHITECTURES = ("bert", "roberta", "t5", "gpt2", "llama", "qwen2")
 
 

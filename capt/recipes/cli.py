@@ -26,11 +26,10 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..saving import atomic_write_text
 from . import MissingExtraError, MissingPackageError, require_train_extra
 
 if TYPE_CHECKING:
-    from .run import RunConfig
+    from .settings import RunConfig
 
 
 # The configs of configs/ ship inside the package (capt/recipes/configs links to them in a checkout).
@@ -90,7 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train one task with one method (one or more seeds)")
     _add_run_flags(train)
     _add_data_flags(train)
-    train.add_argument("--resume", action="store_true", help="continue an interrupted run from its checkpoint")
+    train.add_argument(
+        "--resume", action="store_true", help="continue an interrupted run from its checkpoint (default: off)"
+    )
     train.set_defaults(handler=_train)
 
     tasks = commands.add_parser("tasks", help="list the built-in tasks (--task NAME), or check a task file")
@@ -101,7 +102,12 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--adapter", required=True, help="a run folder written by `capt train`")
     evaluate.add_argument("--task", help="default: the run's task")
     evaluate.add_argument("--data-dir", help="SuperGLUE folder (default: the run's, or CAPT_DATA_DIR)")
-    evaluate.add_argument("--split", choices=("test", "validation"), default="test")
+    evaluate.add_argument(
+        "--split",
+        choices=("test", "validation"),
+        default="test",
+        help="the split to score; a task without a test file scores its validation split (default: %(default)s)",
+    )
     evaluate.set_defaults(handler=_eval)
 
     compare = commands.add_parser("compare", help="several methods on several tasks -> one results table")
@@ -231,24 +237,30 @@ def _add_cell_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_run_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
-    """One flag per RunConfig field (defaults None: only flags the user gave override the YAML file)."""
-    from .run import RunConfig, field_kind
+    """One flag per RunConfig field (defaults None: only flags the user gave override the YAML file); the help
+    shows RunConfig's default, which applies when neither the flag nor the --config file sets the field."""
+    from .settings import RunConfig, field_help, field_kind
 
     parser.add_argument(
         "--config",
-        help=f"YAML file of RunConfig settings, or the name of a shipped one ({', '.join(shipped_configs())})",
+        help=f"YAML file of RunConfig settings, or the name of a shipped one ({', '.join(shipped_configs())}); "
+        "default: none, RunConfig's defaults",
     )
-    parser.add_argument("--seeds", type=int, default=1, help="train seeds seed..seed+N-1; report mean and std")
-    parser.add_argument("--overwrite", action="store_true", help="replace results already in --output-dir")
+    parser.add_argument(
+        "--seeds", type=int, default=1, help="train seeds seed..seed+N-1; report mean and std (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace results already in --output-dir (default: off)"
+    )
     for spec in dataclasses.fields(RunConfig):
         if spec.name in exclude:
             continue
         flag = "--" + spec.name.replace("_", "-")
         kind, _ = field_kind(spec.name)
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=field_help(spec.name))
         else:
-            parser.add_argument(flag, type=kind, default=None)
+            parser.add_argument(flag, type=kind, default=None, help=field_help(spec.name))
 
 
 def shipped_configs() -> list[str]:
@@ -325,8 +337,7 @@ class SettingsFile:
 
 def read_settings_file(path: str) -> SettingsFile:
     """Read and check a --config file; every error names the file and the key."""
-    from .methods import METHODS
-    from .run import RunConfig
+    from .settings import METHODS, RunConfig
     from .tasks import task_names
 
     names = {f.name for f in dataclasses.fields(RunConfig)}
@@ -392,7 +403,7 @@ def _is_file(name: Any) -> bool:
 def run_config(args: argparse.Namespace, **fixed: Any) -> RunConfig:
     """RunConfig from defaults < YAML (--config) < its `per_method` and `per_task` sections for the run's method
     and task < flags < `fixed`."""
-    from .run import RunConfig
+    from .settings import RunConfig
 
     names = {f.name for f in dataclasses.fields(RunConfig)}
     flags = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
@@ -487,6 +498,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from ..saving import atomic_write_text
     from .evaluate import encode_cached, evaluate, load_task
     from .formats import EncoderFormat, head_outputs
     from .run import load_run
@@ -549,18 +561,40 @@ def _lm_eval(args: argparse.Namespace) -> int:
 
 def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser("serve", help="HTTP service: one backbone, many CaPT adapters, mixed-task batches")
-    serve.add_argument("--model", required=True, help="the backbone the adapters were trained on (e.g. tiny-llama)")
+    from .settings import NAMED_MODELS
+
+    serve.add_argument(
+        "--model",
+        required=True,
+        help=f"the backbone the adapters were trained on: a name ({', '.join(NAMED_MODELS)}), a folder or a Hub id",
+    )
     serve.add_argument("--adapters", required=True, help="name=FOLDER pairs (run or adapter folders), comma-separated")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (default: $CAPT_API_KEY)")
-    serve.add_argument("--batch-window-ms", type=float, default=5.0, help="how long a batch waits for more requests")
-    serve.add_argument("--max-batch", type=int, default=16, help="requests per model batch")
-    serve.add_argument("--queue-size", type=int, default=64, help="waiting requests before 429")
-    serve.add_argument("--max-prompt-tokens", type=int, default=1024)
-    serve.add_argument("--max-tokens", type=int, default=256, help="largest max_tokens a request may ask")
-    serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    serve.add_argument("--timeout", type=float, default=60.0, help="seconds before a request gets 504")
+    serve.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=5.0,
+        help="how long a batch waits for more requests (default: %(default)s ms)",
+    )
+    serve.add_argument("--max-batch", type=int, default=16, help="requests per model batch (default: %(default)s)")
+    serve.add_argument("--queue-size", type=int, default=64, help="waiting requests before 429 (default: %(default)s)")
+    serve.add_argument(
+        "--max-prompt-tokens", type=int, default=1024, help="longest prompt accepted (default: %(default)s)"
+    )
+    serve.add_argument(
+        "--max-tokens", type=int, default=256, help="largest max_tokens a request may ask (default: %(default)s)"
+    )
+    serve.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=1 << 20,
+        help="largest request body, else 413 (default: %(default)s, 1 MiB)",
+    )
+    serve.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds before a request gets 504 (default: %(default)s)"
+    )
     serve.set_defaults(handler=_serve)
 
 
@@ -643,14 +677,26 @@ def _add_analyze_parser(commands: argparse._SubParsersAction) -> None:
     attention = analyses.add_parser(
         "attention", help="attention maps and anchor numbers of CaPT / Deep Prompt-Tuning runs and their base model"
     )
-    attention.add_argument("--run", action="append", default=[], help="a run folder from `capt train` (repeatable)")
+    attention.add_argument(
+        "--run",
+        action="append",
+        default=[],
+        help="a run folder from `capt train` (repeatable; default: none, then --model)",
+    )
     attention.add_argument("--model", help="without --run: a bare model (e.g. minilm, tiny-t5), needs --task")
     attention.add_argument("--task", help="default: the runs' task")
-    attention.add_argument("--examples", type=int, default=32, help="examples to sample")
-    attention.add_argument("--seed", type=int, default=0, help="seed of the example sample")
-    attention.add_argument("--split", choices=("test", "validation", "train"), default="test")
+    attention.add_argument("--examples", type=int, default=32, help="examples to sample (default: %(default)s)")
+    attention.add_argument("--seed", type=int, default=0, help="seed of the example sample (default: %(default)s)")
+    attention.add_argument(
+        "--split",
+        choices=("test", "validation", "train"),
+        default="test",
+        help="the split to sample (default: %(default)s)",
+    )
     attention.add_argument("--max-length", type=int, help="truncate inputs here (default: the runs')")
-    attention.add_argument("--max-tokens", type=int, default=48, help="tokens drawn per heatmap axis")
+    attention.add_argument(
+        "--max-tokens", type=int, default=48, help="tokens drawn per heatmap axis (default: %(default)s)"
+    )
     attention.add_argument("--data-dir", help="SuperGLUE folder (default: the run's, or CAPT_DATA_DIR)")
     attention.add_argument("--output-dir", required=True, help="report folder (PNGs, attention.json, report.md)")
     attention.set_defaults(handler=_analyze_attention)
@@ -659,8 +705,12 @@ def _add_analyze_parser(commands: argparse._SubParsersAction) -> None:
         "instance-token", help="score a prompt-tuned run with k training-free instance tokens (Finding II)"
     )
     instance.add_argument("--run", required=True, help="a deep-prompt run folder from `capt train`")
-    instance.add_argument("--ks", default="0,1,2,4", help="comma-separated numbers of instance tokens")
-    instance.add_argument("--split", choices=("test", "validation"), default="test")
+    instance.add_argument(
+        "--ks", default="0,1,2,4", help="comma-separated numbers of instance tokens (default: %(default)s)"
+    )
+    instance.add_argument(
+        "--split", choices=("test", "validation"), default="test", help="the split to score (default: %(default)s)"
+    )
     instance.add_argument("--data-dir", help="SuperGLUE folder (default: the run's, or CAPT_DATA_DIR)")
     instance.add_argument("--output-dir", required=True, help="report folder (PNG, instance_tokens.json, report.md)")
     instance.set_defaults(handler=_analyze_instance_token)

@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerBase
 from ..config import CaptConfig
 from ..slots import positions_from_mask
 from .data import Example
+from .settings import PROMPT_BOS
 from .tasks import get_task, render
 from .tasks.spec import TaskSpec
 
@@ -33,11 +34,6 @@ from .tasks.spec import TaskSpec
 NO_OPTION = -1
 
 Features = dict[str, Any]
-
-# How a decoder prompt starts: "tokenizer" adds a BOS only where the tokenizer itself adds one (the default, as
-# lm-evaluation-harness and the tokenizer's own chat template do); "always" puts the tokenizer's `bos_token` text in
-# front of every prompt, as capt did before 0.3 (the recorded setting of the runs made then).
-PROMPT_BOS = ("tokenizer", "always")
 
 
 def tokenizer_adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:

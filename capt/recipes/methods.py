@@ -15,21 +15,16 @@ The baselines are built as their papers define them:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 from torch import nn
 
 from ..baselines.adapter import add_adapters, train_layer_norms
-from ..baselines.options import PROMPT_OPTIONS, AdapterOptions
+from ..baselines.options import AdapterOptions
 from ..config import CaptConfig
 from ..model import get_capt_model
 from ..sites import find_sites, hidden_size
 from .backbones import Backbone
+from .settings import METHODS, PEFT_METHODS, PROMPT_METHODS, MethodOptions
 
-PROMPT_METHODS = tuple(PROMPT_OPTIONS)  # dept, lopa, idpg, m-idpg, smop, residual, vfpt
-METHODS = ("capt", "deep-prompt", "prompt", "ptv2", "lora", "ia3", *PROMPT_METHODS, "adapter", "head", "full")
-PEFT_METHODS = ("prompt", "ptv2", "lora", "ia3")
 _PEFT_TASK_TYPES = {"encoder": "SEQ_CLS", "encoder-decoder": "SEQ_2_SEQ_LM", "decoder": "CAUSAL_LM"}
 # A method's definition changes now and then (not its settings: its math or fixed defaults). A run recorded under
 # an older revision is another method, so it is never read back as this one. Unlisted methods are at revision 1.
@@ -48,23 +43,6 @@ def method_revision(method: str) -> int:
         (1, 2)
     """
     return METHOD_REVISIONS.get(method, 1)
-
-
-@dataclass(frozen=True)
-class MethodOptions:
-    variant: str = "add"  # capt: add | prepend | extract | project
-    deep_prompt_slots: int = 10  # deep-prompt: m task slots per layer
-    virtual_tokens: int = 20  # prompt / ptv2: soft-prompt length
-    lora_rank: int = 8
-    prompt_length: int | None = None  # dept / lopa / idpg / m-idpg / smop / residual / vfpt: None = the paper's default
-    prompt_rank: int | None = None  # dept, lopa: rank of the low-rank part; None = the paper's default
-    bottleneck: int | None = None  # idpg / m-idpg / residual / adapter: bottleneck width; None = the paper's default
-
-    def prompt_options(self, method: str) -> dict[str, Any]:
-        """The options given for prompt method `method`; the ones left None take the paper's defaults."""
-        fields = PROMPT_OPTIONS[method].__dataclass_fields__
-        given = {"length": self.prompt_length, "rank": self.prompt_rank, "bottleneck": self.bottleneck}
-        return {key: value for key, value in given.items() if value is not None and key in fields}
 
 
 def apply_method(backbone: Backbone, method: str, options: MethodOptions | None = None) -> nn.Module:

@@ -12,7 +12,8 @@ A run folder, as `capt train` writes it:
 The finished files are written only at the end, so `--overwrite` leaves the previous run's settings, weights and
 results in place (and usable) until the new ones replace them; only the metrics log starts afresh.
 
-`load_run` rebuilds a finished run's model for `capt eval`, `capt predict` and `capt analyze`.
+`RunConfig` itself lives in `settings.py`, which imports no torch (the CLI parses its flags from it); it is
+re-exported here. `load_run` rebuilds a finished run's model for `capt eval`, `capt predict` and `capt analyze`.
 """
 
 from __future__ import annotations
@@ -20,12 +21,11 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import math
 import os
 import socket
 import typing
 import warnings
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
@@ -33,11 +33,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from ..config import VARIANTS
 from .backbones import load_backbone
-from .formats import PROMPT_BOS, TaskFormat, head_outputs, make_format
-from .methods import METHODS, MethodOptions, apply_method, extra_positions
-from .tasks import TASK_FILE_NAME, get_task, read_task_file, register_task
+from .formats import TaskFormat, head_outputs, make_format
+from .methods import apply_method, extra_positions
+from .settings import DEFAULT_LR as DEFAULT_LR
+from .settings import RunConfig as RunConfig
+from .settings import field_kind as field_kind
+from .tasks import TASK_FILE_NAME, read_task_file, register_task
 
 RESULTS_NAME = "results.json"
 RUN_CONFIG_NAME = "run_config.json"
@@ -45,188 +47,6 @@ TRAINABLE_NAME = "trainable.safetensors"
 CHECKPOINT_NAME = "checkpoint.pt"
 ADAPTER_DIR = "adapter"
 LOCK_NAME = ".capt.lock"
-# Learning rates that train each method sensibly with AdamW on the MiniLM (override with --lr). The entries of the
-# capt.baselines methods (dept ... adapter) are starting points, not yet tuned.
-DEFAULT_LR = {
-    "capt": 1e-2,
-    "deep-prompt": 1e-2,
-    "prompt": 3e-2,
-    "ptv2": 1e-2,
-    "lora": 5e-4,
-    "ia3": 5e-3,
-    "dept": 1e-2,
-    "lopa": 1e-3,  # jabhinav/Prompt-Tuning-Strikes-Back-with-LOPA README: 1e-3 for the prompt-tuning methods
-    "idpg": 1e-3,
-    "m-idpg": 1e-3,
-    "smop": 3e-2,
-    "residual": 1e-2,
-    "vfpt": 1e-2,  # Deep Prompt-Tuning's
-    "adapter": 1e-3,
-    "head": 1e-3,
-    "full": 3e-5,
-}
-
-
-# DePT's second learning rate (its low-rank pair): the smallest of the authors' grid {5e-4, 5e-3, 3e-1}
-# (ZhengxiangShi/DePT README), below the prompt's at every learning rate the study tries.
-DEFAULT_LR_SECONDARY = 5e-4
-
-
-@dataclass
-class RunConfig:
-    """One training run. Every field is a `capt train` flag and a YAML key (see configs/)."""
-
-    task: str = "rte"  # a built-in task, a registered user task, or a task YAML file (read and registered)
-    method: str = "capt"
-    variant: str = "add"
-    model: str = "minilm"
-    data_dir: str | None = None
-    output_dir: str = "runs/latest"
-    epochs: int = 10
-    patience: int = 3
-    lr: float | None = None  # None: the method's default (DEFAULT_LR)
-    head_lr: float = 1e-3  # task heads of encoder classifiers, trained alongside input-side methods
-    # DePT's second learning rate, for its low-rank pair A, B (parameters under `secondary`); None: 5e-4, the
-    # smallest of the authors' grid (the prompt takes --lr).
-    lr_secondary: float | None = None
-    weight_decay: float = 0.0
-    optimizer: str = "adamw"  # adamw | adafactor
-    warmup_ratio: float = 0.06
-    batch_size: int = 16
-    eval_batch_size: int = 32
-    grad_accum: int = 1
-    max_length: int = 256
-    bf16: bool = False
-    seed: int = 0
-    split_seed: int = 0  # the 90/10 split stays fixed across training seeds
-    limit_train: int | None = None  # use the first N training examples (quick runs)
-    limit_eval: int | None = None  # use the first N validation/test examples (quick runs)
-    deep_prompt_slots: int = 10
-    virtual_tokens: int = 20
-    lora_rank: int = 8
-    decoder_head: str = "lm"  # decoder-only: lm (label-word likelihoods) | classifier (score head on the last token)
-    # Decoder prompts: "tokenizer" adds a BOS only where the tokenizer does; "always" puts the BOS text first, as
-    # runs before capt 0.3 did (a run_config.json without this key reads back as "always").
-    prompt_bos: str = "tokenizer"
-    prompt_length: int | None = None  # dept, lopa, idpg, m-idpg, smop, residual, vfpt: None = the paper's default
-    prompt_rank: int | None = None  # dept, lopa: None = the paper's default
-    bottleneck: int | None = None  # idpg, m-idpg, residual, adapter: None = the paper's default
-    t5_generate: bool = False  # T5: predict by greedy decoding + exact match instead of label-word likelihoods
-    checkpoint_every: int = 50  # batches between crash-safe checkpoints (0: only at epoch ends)
-    trust_remote_code: bool = False  # run code shipped with a Hub model (off unless asked)
-    cache_dir: str = field(default_factory=lambda: str(Path.home() / ".cache" / "capt" / "features"))
-
-    def __post_init__(self) -> None:
-        for spec in fields(self):
-            setattr(self, spec.name, _checked(spec.name, getattr(self, spec.name)))
-        try:
-            self.task = get_task(self.task).name  # a task file is read (and registered) here, then named
-        except ValueError as err:
-            raise ValueError(f"{_where('task')}: {err}") from err
-        if self.lr is None:
-            self.lr = DEFAULT_LR[self.method]
-        if self.decoder_head not in ("lm", "classifier"):
-            raise ValueError(f"{_where('decoder_head')}: {self.decoder_head!r} is not lm or classifier")
-        if self.lr_secondary is None:
-            self.lr_secondary = DEFAULT_LR_SECONDARY
-        if self.variant != "add" and self.method != "capt":
-            raise ValueError(
-                f"{_where('variant')}: {self.variant!r} applies to --method capt only, not {self.method!r}; "
-                "drop --variant"
-            )
-
-    def method_options(self) -> MethodOptions:
-        return MethodOptions(
-            self.variant,
-            self.deep_prompt_slots,
-            self.virtual_tokens,
-            self.lora_rank,
-            self.prompt_length,
-            self.prompt_rank,
-            self.bottleneck,
-        )
-
-
-# The allowed values of every RunConfig field, checked in __post_init__ (so flags, YAML and run_config.json
-# all meet the same rules). A tuple: the choices; a pair of numbers (low, high): an inclusive range, None = open.
-FIELD_RULES: dict[str, tuple] = {
-    "prompt_bos": PROMPT_BOS,
-    "method": tuple(METHODS),
-    "variant": VARIANTS,
-    "optimizer": ("adamw", "adafactor"),
-    "epochs": (1, None),
-    "patience": (1, None),
-    "lr": (0.0, None),
-    "head_lr": (0.0, None),
-    "weight_decay": (0.0, None),
-    "warmup_ratio": (0.0, 1.0),
-    "batch_size": (1, None),
-    "eval_batch_size": (1, None),
-    "grad_accum": (1, None),
-    "max_length": (8, None),  # room for a template's special tokens and the label words
-    "seed": (0, 2**32 - 1),  # numpy's seed range
-    "split_seed": (0, 2**32 - 1),
-    "limit_train": (1, None),
-    "limit_eval": (1, None),
-    "deep_prompt_slots": (1, None),
-    "virtual_tokens": (1, None),
-    "lora_rank": (1, None),
-    "checkpoint_every": (0, None),
-    "lr_secondary": (0.0, None),
-    "prompt_length": (1, None),
-    "prompt_rank": (1, None),
-    "bottleneck": (1, None),
-}
-POSITIVE = {"head_lr"}  # > 0, not just >= 0 (lr 0 is allowed: a run that trains nothing, a sanity check)
-
-
-def _where(name: str) -> str:
-    return f"--{name.replace('_', '-')} (YAML key {name})"
-
-
-def field_kind(name: str) -> tuple[type, bool]:
-    """(bool | int | float | str, whether None is allowed) of a RunConfig field, from its type hint.
-
-    Example:
-        >>> field_kind("limit_train")
-        (<class 'int'>, True)
-    """
-    hint = typing.get_type_hints(RunConfig)[name]
-    args = typing.get_args(hint) or (hint,)
-    return next(a for a in args if a is not type(None)), type(None) in args
-
-
-def _checked(name: str, value: object) -> object:
-    """`value` as the field's type, or a ValueError naming the flag, the value and what is allowed."""
-    kind, optional = field_kind(name)
-    if value is None and optional:
-        return None
-    rule = FIELD_RULES.get(name)
-    if kind is float and isinstance(value, str):  # PyYAML reads 1e-3 (no dot) as a string
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        wanted = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
-        raise ValueError(f"{_where(name)}: got {value!r}; expected {wanted}{' or null' if optional else ''}")
-    if rule is None:
-        if kind is str and not value:
-            raise ValueError(f"{_where(name)}: must not be empty")
-        return value
-    if isinstance(rule[0], str):
-        if value not in rule:
-            raise ValueError(f"{_where(name)}: unknown {name} {value!r}; {name} must be one of {', '.join(rule)}")
-        return value
-    low, high = rule
-    if kind is float and not math.isfinite(value):
-        raise ValueError(f"{_where(name)}: got {value}; expected a finite number")
-    if value < low or (name in POSITIVE and value <= low) or (high is not None and value > high):
-        allowed = f"> {low}" if name in POSITIVE else f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{_where(name)}: {name} must be {allowed}, got {value}")
-    return value
 
 
 def read_run_config(run_dir: str | Path) -> RunConfig:
