@@ -102,7 +102,8 @@ class CaptTuner(BaseTuner):
         # loading it into another model is refused on either path.
         config.base_model = config.base_model or self.injector.fingerprint()
         device = next(model.parameters()).device
-        capsules = build_slot_module(config, self.injector.num_layers, self.injector.hidden_size, device=device)
+        injector = self.injector
+        capsules = build_slot_module(config, injector.num_layers, injector.hidden_size, device, injector.norm_eps)
         self.capt_layer.capt_capsules[adapter_name] = capsules.requires_grad_(False)
         is_active = adapter_name in self.active_adapters
         if is_active:

@@ -19,6 +19,7 @@ import transformers
 
 from .. import __version__
 from ..saving import atomic_write_text
+from .methods import CAPT_METHODS
 from .metrics import superglue_average
 
 LOG_JSONL = "metrics.jsonl"
@@ -220,7 +221,8 @@ def comparison_table(results: list[dict[str, Any]]) -> str:
 
 
 def method_label(result: dict[str, Any]) -> str:
-    """'capt' for the default variant, 'capt-<variant>' otherwise, else the method name."""
-    if result["method"] == "capt" and result["variant"] != "add":
-        return f"capt-{result['variant']}"
+    """'capt' (or 'capt-rms') for the default variant, 'capt-<variant>' (or 'capt-rms-<variant>') otherwise, else
+    the method name."""
+    if result["method"] in CAPT_METHODS and result["variant"] != "add":
+        return f"{result['method']}-{result['variant']}"
     return result["method"]

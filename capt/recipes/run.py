@@ -37,7 +37,7 @@ from ..config import VARIANTS
 from .backbones import load_backbone
 from .data import TASKS
 from .formats import TaskFormat, head_outputs, make_format
-from .methods import METHODS, MethodOptions, apply_method, extra_positions
+from .methods import CAPT_METHODS, METHODS, MethodOptions, apply_method, extra_positions
 
 RESULTS_NAME = "results.json"
 RUN_CONFIG_NAME = "run_config.json"
@@ -49,6 +49,7 @@ LOCK_NAME = ".capt.lock"
 # capt.baselines methods (dept ... adapter) are starting points, not yet tuned.
 DEFAULT_LR = {
     "capt": 1e-2,
+    "capt-rms": 1e-2,  # CaPT's
     "deep-prompt": 1e-2,
     "prompt": 3e-2,
     "ptv2": 1e-2,
@@ -122,10 +123,10 @@ class RunConfig:
             raise ValueError(f"{_where('decoder_head')}: {self.decoder_head!r} is not lm or classifier")
         if self.lr_secondary is None:
             self.lr_secondary = DEFAULT_LR_SECONDARY
-        if self.variant != "add" and self.method != "capt":
+        if self.variant != "add" and self.method not in CAPT_METHODS:
             raise ValueError(
-                f"{_where('variant')}: {self.variant!r} applies to --method capt only, not {self.method!r}; "
-                "drop --variant"
+                f"{_where('variant')}: {self.variant!r} applies to --method capt or capt-rms only, "
+                f"not {self.method!r}; drop --variant"
             )
 
     def method_options(self) -> MethodOptions:
