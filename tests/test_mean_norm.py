@@ -1,6 +1,7 @@
 """CaptConfig.mean_norm="rms": each instance token RMS-normalised before the masked mean (issue 39)."""
 
 import json
+from pathlib import Path
 
 import peft
 import pytest
@@ -172,3 +173,25 @@ def test_the_recipes_train_capt_rms_as_its_own_method():
     plain = apply_method(load_backbone("tiny-llama"), "capt")
     assert rms.capsules.config.mean_norm == "rms" and plain.capsules.config.mean_norm == "none"
     assert rms.get_nb_trainable_parameters() == plain.get_nb_trainable_parameters()  # parameter-free
+
+
+def test_method_gaps_reads_the_committed_study_as_sweep_md_prints_it():
+    """CaPT's gap to Prompt Tuning on CB is sweep.md's Prompt Tuning row (+8.5, p 0.21) turned round."""
+    from capt.recipes.analysis.method_gaps import gaps_table
+
+    study = Path(__file__).resolve().parents[1] / "results" / "smollm2-study"
+    table = gaps_table(study, "capt", ["cb", "copa", "rte", "wic"])
+    assert "| cb | 45.0 ± 8.2 (0.09) | prompt | 53.5 ± 4.6 | -8.5 (p 0.21) |" in table
+    assert "Average over cb, copa, rte, wic: capt 54.2; " in table and "prompt 57.0" in table
+
+
+def test_capsule_norms_measures_both_means_layer_by_layer():
+    from capt.recipes.analysis.capsule_norms import measure
+
+    data = Path(__file__).resolve().parents[2] / "shared" / "data" / "superglue"
+    results = measure("tiny-llama", "cb", 2, str(data), 64)
+    hidden = load_backbone("tiny-llama").model.config.hidden_size
+    assert set(results) == {"none", "rms"} and len(results["rms"]) == len(results["none"]) >= 2
+    # A mean of unit-RMS tokens has norm at most sqrt(d); the plain one is not bounded so.
+    assert all(0 < row["capsule"] <= hidden**0.5 + 1e-4 for row in results["rms"])
+    assert all(row["first"] > 0 and row["median_other"] > 0 for row in results["none"])
