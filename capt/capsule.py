@@ -2,6 +2,8 @@
 
     S_i = p_i + Mean(instance tokens of the layer input)          (variant "add", the paper's default)
 
+With `CaptConfig.mean_norm="rms"` each token is first divided by its root mean square (`rms_normalise`).
+
 Calling `Capsules(layer, hidden, weights)` returns the vectors written at the front of layer `layer`'s input.
 `weights` (B x T) holds the masked-mean weights: 1/count on instance tokens, 0 elsewhere, so the summary is
 one batched matrix product. The capsules are computed by *calling* the module (not by reading its parameter from
@@ -49,6 +51,18 @@ class LowRankProjector(nn.Module):
         return self.up(self.down(mean.to(self.down.weight.dtype)))
 
 
+def rms_normalise(hidden: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each token at unit scale: x / sqrt(mean(x^2) + eps), a weightless RMSNorm, computed in float32 as the
+    backbones' own RMSNorms do (a bf16 square of a massive activation loses most of its digits).
+
+    Example:
+        >>> rms_normalise(torch.tensor([[[3.0, -4.0]]]), eps=0.0)
+        tensor([[[ 0.8485, -1.1314]]])
+    """
+    wide = hidden.float()
+    return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(hidden.dtype)
+
+
 def masked_mean(hidden: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """(B, T, d), (B, T) -> (B, d): sum_t weights[b, t] * hidden[b, t]."""
     return torch.bmm(weights.to(hidden.dtype).unsqueeze(1), hidden).squeeze(1)
@@ -59,10 +73,11 @@ class Capsules(nn.Module):
     the convolution or projection that turns the layer input into the instance summary (one shared by all layers,
     or one per layer: `CaptConfig.share_instance_module`)."""
 
-    def __init__(self, config: CaptConfig, num_layers: int, hidden: int, device=None):
+    def __init__(self, config: CaptConfig, num_layers: int, hidden: int, device=None, norm_eps: float = 1e-6):
         super().__init__()
         self.config = config
         self.num_layers = num_layers
+        self.norm_eps = norm_eps  # mean_norm="rms": the backbone's RMSNorm eps (`capt.sites.rms_norm_eps`)
         shape = (num_layers, hidden) if config.num_slots == 1 else (num_layers, config.num_slots, hidden)
         # Capsules stay float32 whatever the base dtype (master weights); they are cast when written.
         self.vectors = nn.Parameter(torch.zeros(shape, device=device, dtype=torch.float32))
@@ -81,7 +96,9 @@ class Capsules(nn.Module):
             self.instance_modules = nn.ModuleList(modules)
 
     def summary(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The instance-aware part, (B, d)."""
+        """The instance-aware part, (B, d). Padding and targets have weight 0, normalised or not."""
+        if self.config.mean_norm == "rms":
+            hidden = rms_normalise(hidden, self.norm_eps)
         if self.instance_modules is None:
             return masked_mean(hidden, weights)
         module = self.instance_modules[0 if len(self.instance_modules) == 1 else layer]

@@ -34,6 +34,7 @@ PEFT_BOOKKEEPING_KEYS = (
 
 INITS = ("zeros", "normal")
 TARGETS = ("auto", "encoder", "decoder", "both")
+MEAN_NORMS = ("none", "rms")
 
 
 @dataclass
@@ -85,6 +86,14 @@ class CaptConfig(config_base()):
         default=True,
         metadata={"help": "Add the instance summary (mean of the instance's representations) to the slots."},
     )
+    mean_norm: str = field(
+        default="none",
+        metadata={
+            "help": "How each instance token enters the instance summary: 'none' (the raw hidden state, the paper's "
+            "equation), 'rms' (divided by its root mean square first, x / sqrt(mean(x^2) + eps) with the backbone's "
+            "RMSNorm eps, as the authors' sister code MEPT does), so no single massive activation dominates the mean."
+        },
+    )
     rank: int = field(default=8, metadata={"help": "Rank r of the d->r->d projection for variant='project'."})
     kernel_size: int = field(default=3, metadata={"help": "Convolution width for variant='extract' (odd)."})
     share_instance_module: bool = field(
@@ -135,6 +144,7 @@ class CaptConfig(config_base()):
         _check_choice("variant", self.variant, VARIANTS)
         _check_choice("init", self.init, INITS)
         _check_choice("target", self.target, TARGETS)
+        _check_choice("mean_norm", self.mean_norm, MEAN_NORMS)
         for name in ("num_slots", "rank", "kernel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -160,6 +170,11 @@ class CaptConfig(config_base()):
             raise ValueError(
                 f"CaptConfig.variant={self.variant!r} needs instance_aware=True; "
                 "without the instance summary only 'add' (Deep Prompt-Tuning) is meaningful"
+            )
+        if self.mean_norm != "none" and (not self.instance_aware or self.prompt_method is not None):
+            raise ValueError(
+                f"CaptConfig.mean_norm={self.mean_norm!r} normalises the instance summary, which only CaPT computes: "
+                "it needs instance_aware=True and no prompt_method"
             )
         if self.modules_to_save is not None:
             self.modules_to_save = list(self.modules_to_save)

@@ -42,7 +42,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .config import CaptConfig
-from .sites import CapsuleSite, find_sites, hidden_size, is_causal_lm, model_family
+from .sites import CapsuleSite, find_sites, hidden_size, is_causal_lm, model_family, rms_norm_eps
 from .slots import (
     STREAM_FIELDS,
     batch_and_length,
@@ -178,6 +178,7 @@ class CapsuleInjector:
         self.every_layer = config.writes_every_layer
         self.num_layers = sum(len(site.layers) for site in self.sites)
         self.hidden_size = hidden_size(model)
+        self.norm_eps = rms_norm_eps(model)
         self.position_limit = absolute_positions(model.config)
         self.check_base_model(config)
 

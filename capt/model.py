@@ -321,7 +321,8 @@ class CaptModel(nn.Module):
     def _new_capsules(self, config: CaptConfig) -> nn.Module:
         """The slot module of an adapter: the capsules, or the prompt module of `config.prompt_method`."""
         device = next(self.base_model.parameters()).device
-        return build_slot_module(config, self.injector.num_layers, self.injector.hidden_size, device=device)
+        injector = self.injector
+        return build_slot_module(config, injector.num_layers, injector.hidden_size, device, injector.norm_eps)
 
     def _heads_of(self, adapter_name: str) -> dict[str, nn.Module]:
         self.require_loaded(adapter_name)

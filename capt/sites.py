@@ -121,6 +121,14 @@ def hidden_size(model: PreTrainedModel) -> int:
     raise ValueError(f"cannot read the hidden size from {type(config).__name__}")
 
 
+def rms_norm_eps(model: PreTrainedModel) -> float:
+    """The eps of the backbone's own RMSNorm (Llama, Gemma, Qwen, Mistral: `rms_norm_eps`), so that
+    `mean_norm="rms"` scales tokens exactly as the model's norms do; 1e-6 for other models, T5's RMS layer norm's
+    default (`layer_norm_epsilon` there), small against any hidden state's mean square."""
+    eps = getattr(model.config.get_text_config(), "rms_norm_eps", None)
+    return float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else 1e-6
+
+
 def _expected_layer_count(model: PreTrainedModel, role: str, family: str) -> int | None:
     config = model.config.get_text_config()
     if family == "encoder-decoder" and role == "decoder":

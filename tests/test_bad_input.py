@@ -58,7 +58,7 @@ def _error(capsys, argv: list[str]) -> str:
         (["--checkpoint-every", "-1"], "checkpoint_every must be >= 0"),
         (["--deep-prompt-slots", "0"], "deep_prompt_slots must be >= 1"),
         (["--lora-rank", "0"], "lora_rank must be >= 1"),
-        (["--method", "lora", "--variant", "extract"], "'extract' applies to --method capt only, not 'lora'"),
+        (["--method", "lora", "--variant", "extract"], "'extract' applies to --method capt or capt-rms only"),
         (["--task", "squad"], "unknown task 'squad'"),
         (["--model", ""], "--model (YAML key model): must not be empty"),
     ],
@@ -102,7 +102,7 @@ def test_a_bad_lr_grid_is_refused_before_any_training(grid, message, tmp_path, c
         ("per_task:\n  cb: {method: lora}\n", "per_task.cb sets ['method']: a section holds its task's settings"),
         ("per_task:\n  rte: {max_lenght: 96}\n", "per_task.rte: unknown settings ['max_lenght']"),
         ("per_task:\n  rte: {epochs: ten}\n", "--epochs (YAML key epochs): got 'ten'; expected an integer"),
-        ("per_method:\n  loar: {lr: 0.1}\n", "per_method names unknown methods ['loar']; known: capt, deep-prompt"),
+        ("per_method:\n  loar: {lr: 0.1}\n", "per_method names unknown methods ['loar']; known: capt, capt-rms"),
         ("per_method:\n  full: {task: cb}\n", "per_method.full sets ['task']: a section holds its method's settings"),
         (
             "per_method:\n  full: {decoder_head: classifier}\nper_task:\n  cb: {decoder_head: lm}\n",

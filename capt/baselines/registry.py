@@ -30,11 +30,12 @@ def build_prompt_module(method: str, options: dict, num_layers: int, hidden: int
     return PROMPT_MODULES[method](make_options(method, options), num_layers, hidden, device=device)
 
 
-def build_slot_module(config, num_layers: int, hidden: int, device=None) -> nn.Module:
-    """The slot module of a `CaptConfig`: the prompt module of `config.prompt_method`, else the capsules."""
+def build_slot_module(config, num_layers: int, hidden: int, device=None, norm_eps: float = 1e-6) -> nn.Module:
+    """The slot module of a `CaptConfig`: the prompt module of `config.prompt_method`, else the capsules (`norm_eps`:
+    the backbone's RMSNorm eps, for `mean_norm="rms"`)."""
     if config.prompt_method is not None:
         return build_prompt_module(config.prompt_method, config.prompt_options, num_layers, hidden, device=device)
-    return Capsules(config, num_layers, hidden, device=device)
+    return Capsules(config, num_layers, hidden, device=device, norm_eps=norm_eps)
 
 
 def auxiliary_loss(module: nn.Module) -> torch.Tensor | None:

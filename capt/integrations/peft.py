@@ -105,7 +105,8 @@ class CaptTuner(BaseTuner):
         # and with its task type, which PEFT's Auto classes and PeftModel.from_pretrained choose the class by.
         config.task_type = config.task_type or task_type_of(model)
         device = next(model.parameters()).device
-        capsules = build_slot_module(config, self.injector.num_layers, self.injector.hidden_size, device=device)
+        injector = self.injector
+        capsules = build_slot_module(config, injector.num_layers, injector.hidden_size, device, injector.norm_eps)
         self.capt_layer.capt_capsules[adapter_name] = capsules.requires_grad_(False)
         is_active = adapter_name in self.active_adapters
         if is_active:

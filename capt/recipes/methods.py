@@ -1,7 +1,9 @@
 """Every fine-tuning method the recipes compare, by name: the one registry `capt train`, `compare` and `bench` use.
 
-`capt` and `deep-prompt` come from this library; `prompt` (Prompt Tuning), `ptv2` (P-Tuning v2 / prefix
-tuning), `lora` and `ia3` come from `peft`; `head` trains only the classifier; `full` trains everything.
+`capt`, `capt-rms` (CaPT with `CaptConfig.mean_norm="rms"`: each instance token RMS-normalised before the
+mean, as the authors' sister code MEPT does) and `deep-prompt` come from this library; `prompt` (Prompt Tuning),
+`ptv2` (P-Tuning v2 / prefix tuning), `lora` and `ia3` come from `peft`; `head` trains only the classifier; `full`
+trains everything.
 The CaPT paper's other baselines come from `capt.baselines`: `dept`, `lopa`, `idpg`, `m-idpg`, `smop`, `residual`
 and `vfpt` run on the capsule slot machinery (`CaptConfig.prompt_method`), `adapter` (Houlsby) on module hooks.
 
@@ -23,7 +25,7 @@ from ..config import CaptConfig
 from ..model import get_capt_model
 from ..sites import find_sites, hidden_size
 from .backbones import Backbone
-from .settings import METHODS, PEFT_METHODS, PROMPT_METHODS, MethodOptions
+from .settings import CAPT_METHODS, METHODS, PEFT_METHODS, PROMPT_METHODS, MethodOptions
 
 _PEFT_TASK_TYPES = {"encoder": "SEQ_CLS", "encoder-decoder": "SEQ_2_SEQ_LM", "decoder": "CAUSAL_LM"}
 # A method's definition changes now and then (not its settings: its math or fixed defaults). A run recorded under
@@ -31,7 +33,8 @@ _PEFT_TASK_TYPES = {"encoder": "SEQ_CLS", "encoder-decoder": "SEQ_2_SEQ_LM", "de
 # 2 (2026-12-03): the authors' code adopted (docs/baselines-provenance.md): M-IDPG layerb and IDPG's GELU, DePT's
 # alpha / sqrt(r) scaling and Kaiming A, Residual Prompt Tuning's bottleneck 800, adapters train the layer norms,
 # SMoP's load-balancing loss. head 2 (2026-12-04): head-only trains its head at lr; it used head_lr, so a
-# learning-rate sweep of `head` trained every grid point alike.
+# learning-rate sweep of `head` trained every grid point alike. `capt` is the plain mean (CaptConfig.mean_norm="none")
+# at revision 1; the normalised mean is the method `capt-rms` (2026-12-06), so the finished `capt` runs read back.
 METHOD_REVISIONS = {"idpg": 2, "m-idpg": 2, "dept": 2, "residual": 2, "adapter": 2, "smop": 2, "head": 2}
 
 
@@ -56,7 +59,7 @@ def apply_method(backbone: Backbone, method: str, options: MethodOptions | None 
     """
     options = options or MethodOptions()
     base = backbone.model
-    if method in ("capt", "deep-prompt", *PROMPT_METHODS):
+    if method in (*CAPT_METHODS, "deep-prompt", *PROMPT_METHODS):
         return get_capt_model(base, capt_config(method, options))
     if method == "adapter":
         return _with_adapters(base, options)
@@ -81,12 +84,12 @@ def apply_method(backbone: Backbone, method: str, options: MethodOptions | None 
 
 
 def capt_config(method: str, options: MethodOptions) -> CaptConfig:
-    """The CaptConfig of `capt` (one instance-aware capsule per layer), `deep-prompt` (m learned slots) or a
-    prompt baseline of `capt.baselines` (its slot module)."""
+    """The CaptConfig of `capt` (one instance-aware capsule per layer), `capt-rms` (the same over RMS-normalised
+    tokens), `deep-prompt` (m learned slots) or a prompt baseline of `capt.baselines` (its slot module)."""
     if method in PROMPT_METHODS:
         return CaptConfig(prompt_method=method, prompt_options=options.prompt_options(method))
-    if method == "capt":
-        return CaptConfig(variant=options.variant)
+    if method in CAPT_METHODS:
+        return CaptConfig(variant=options.variant, mean_norm="rms" if method == "capt-rms" else "none")
     return CaptConfig(num_slots=options.deep_prompt_slots, instance_aware=False, init="normal")
 
 
@@ -109,7 +112,7 @@ def peft_config(method: str, family: str, options: MethodOptions):
 
 def extra_positions(method: str, options: MethodOptions) -> int:
     """Sequence positions the method puts in front of the user's tokens (prefix tuning adds keys, not positions)."""
-    if method in ("capt", "deep-prompt", *PROMPT_METHODS):
+    if method in (*CAPT_METHODS, "deep-prompt", *PROMPT_METHODS):
         return capt_config(method, options).slots_per_layer
     return options.virtual_tokens if method == "prompt" else 0
 

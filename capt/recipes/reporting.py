@@ -20,6 +20,7 @@ import transformers
 from .. import __version__
 from ..saving import atomic_write, atomic_write_text
 from .metrics import superglue_average
+from .settings import CAPT_METHODS
 
 LOG_JSONL = "metrics.jsonl"
 LOG_CSV = "metrics.csv"
@@ -223,7 +224,8 @@ def comparison_table(results: list[dict[str, Any]]) -> str:
 
 
 def method_label(result: dict[str, Any]) -> str:
-    """'capt' for the default variant, 'capt-<variant>' otherwise, else the method name."""
-    if result["method"] == "capt" and result["variant"] != "add":
-        return f"capt-{result['variant']}"
+    """'capt' (or 'capt-rms') for the default variant, 'capt-<variant>' (or 'capt-rms-<variant>') otherwise, else
+    the method name."""
+    if result["method"] in CAPT_METHODS and result["variant"] != "add":
+        return f"{result['method']}-{result['variant']}"
     return result["method"]

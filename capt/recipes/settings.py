@@ -23,7 +23,8 @@ from .gguf import GGUF_BACKBONES
 from .tasks import builtin_tasks, get_task
 
 PROMPT_METHODS = tuple(PROMPT_OPTIONS)  # dept, lopa, idpg, m-idpg, smop, residual, vfpt
-METHODS = ("capt", "deep-prompt", "prompt", "ptv2", "lora", "ia3", *PROMPT_METHODS, "adapter", "head", "full")
+CAPT_METHODS = ("capt", "capt-rms")  # CaPT and its mean-normalised variant: the methods that take --variant
+METHODS = (*CAPT_METHODS, "deep-prompt", "prompt", "ptv2", "lora", "ia3", *PROMPT_METHODS, "adapter", "head", "full")
 PEFT_METHODS = ("prompt", "ptv2", "lora", "ia3")
 # Random 2-layer models on the MiniLM tokenizer, for tests and quick runs: name -> architecture.
 TINY_MODELS = {"tiny-t5": "t5", "tiny-llama": "llama", "tiny-gpt2": "gpt2"}
@@ -59,6 +60,7 @@ class MethodOptions:
 # capt.baselines methods (dept ... adapter) are starting points, not yet tuned.
 DEFAULT_LR = {
     "capt": 1e-2,
+    "capt-rms": 1e-2,  # CaPT's
     "deep-prompt": 1e-2,
     "prompt": 3e-2,
     "ptv2": 1e-2,
@@ -139,10 +141,10 @@ class RunConfig:
             raise ValueError(f"{_where('decoder_head')}: {self.decoder_head!r} is not lm or classifier")
         if self.lr_secondary is None:
             self.lr_secondary = DEFAULT_LR_SECONDARY
-        if self.variant != "add" and self.method != "capt":
+        if self.variant != "add" and self.method not in CAPT_METHODS:
             raise ValueError(
-                f"{_where('variant')}: {self.variant!r} applies to --method capt only, not {self.method!r}; "
-                "drop --variant"
+                f"{_where('variant')}: {self.variant!r} applies to --method capt or capt-rms only, "
+                f"not {self.method!r}; drop --variant"
             )
 
     def method_options(self) -> MethodOptions:
@@ -244,7 +246,7 @@ def _checked(name: str, value: object) -> object:
 FIELD_HELP = {
     "task": "a built-in task, a task YAML file (docs/your-data.md), or a task registered by --train-file",
     "method": "the fine-tuning method",
-    "variant": "capt only: how the instance summary enters the capsule",
+    "variant": "capt and capt-rms only: how the instance summary enters the capsule",
     "model": "the backbone: a packaged name, a local folder or a Hugging Face Hub id",
     "data_dir": "SuperGLUE folder (default: $CAPT_DATA_DIR, else the Hugging Face Hub)",
     "output_dir": "the run folder (weights, metrics, results.json)",
