@@ -144,6 +144,8 @@ def test_bad_adapter_arguments_say_what_is_wrong(copa_run, tmp_path):
         load_adapter_model(str(copa_run), pretrained="tiny-llama")
     with pytest.raises(ValueError, match="takes a number for --batch_size"):
         CaptLM(adapter=str(copa_run), batch_size="auto")
+    with pytest.raises(ValueError, match="add prefix_token_id=ID"):  # tiny-llama's tokenizer has no BOS or EOS
+        CaptLM(adapter=str(copa_run), device="cpu")
 
 
 def test_without_the_extra_the_command_names_it(monkeypatch, capsys):

@@ -88,6 +88,12 @@ class CaptLM(HFLM):
         if str(kwargs.get("batch_size", 1)).startswith("auto"):
             raise ValueError("--model capt takes a number for --batch_size, not auto")
         model, tokenizer = load_adapter_model(adapter, pretrained)
+        if kwargs.get("prefix_token_id") is None and tokenizer.bos_token_id is None and tokenizer.eos_token_id is None:
+            # lm-eval scores a context-free continuation after this token; without one it fails deep inside.
+            raise ValueError(
+                "--model capt: the tokenizer has no BOS or EOS token for lm-eval to put before a continuation with "
+                "no context; add prefix_token_id=ID to --model_args"
+            )
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         super().__init__(pretrained=model.to(device), tokenizer=tokenizer, backend="causal", **kwargs)
         self.adapter = adapter
