@@ -12,7 +12,7 @@ from transformers import LlamaForCausalLM
 import capt
 from capt.recipes.backbones import load_backbone, random_config
 from capt.recipes.methods import apply_method, capt_config, method_revision
-from capt.recipes.run import MethodOptions
+from capt.recipes.settings import MethodOptions
 
 EPS = 1e-3  # far from the 1e-6 fallback, so a capsule that ignored the backbone's eps would not match
 
