@@ -104,9 +104,10 @@ class TaskFormat:
         raise NotImplementedError
 
     def cache_settings(self) -> dict[str, Any]:
-        """Settings besides the task, tokenizer, family and max length that change `encode`'s output; they enter the
-        key of the feature cache (`capt.recipes.evaluate.encode_cached`)."""
-        return {}
+        """Settings besides the task's name, tokenizer, family and max length that change `encode`'s output; they
+        enter the key of the feature cache (`capt.recipes.evaluate.encode_cached`). Here: the task's spec (its
+        templates and labels: a user task may change them under one name)."""
+        return {"spec": self.spec.to_dict()}
 
     @staticmethod
     def length(features: Features) -> int:
@@ -444,8 +445,9 @@ def make_format(
         >>> type(make_format("decoder", "copa", tokenizer, 64, decoder_head="classifier")).__name__
         'EncoderFormat'
     """
-    if get_task(task).kind == "generate":
-        raise ValueError(f"{task} is a generate task: it trains with the chat format, not a label-scoring one")
+    spec = get_task(task)
+    if spec.kind == "generate":
+        return _generate_format(spec, family, tokenizer, max_length, decoder_head)
     if family == "decoder" and decoder_head == "classifier":
         return EncoderFormat(task=task, tokenizer=tokenizer, max_length=max_length, padding_side="left")
     options = {"generate": t5_generate} if family == "encoder-decoder" else {}
@@ -454,6 +456,21 @@ def make_format(
             raise ValueError(f"prompt_bos {prompt_bos!r}; expected one of {', '.join(PROMPT_BOS)}")
         options = {"prompt_bos": prompt_bos}
     return FORMATS[family](task=task, tokenizer=tokenizer, max_length=max_length, **options)
+
+
+def _generate_format(
+    spec: TaskSpec, family: str, tokenizer: PreTrainedTokenizerBase, max_length: int, decoder_head: str
+) -> TaskFormat:
+    """The chat format of a generate task: a decoder-only LM writes the answer, so no other family or head can."""
+    from .chat import ChatFormat  # chat builds on this module: a module-level import would be circular
+
+    if family != "decoder" or decoder_head != "lm":
+        backbone = "a decoder with --decoder-head classifier" if family == "decoder" else f"an {family} model"
+        raise ValueError(
+            f"--model: {spec.name} is a generate task, which needs a decoder-only LM that writes its answers "
+            f"(e.g. --model smollm2, or tiny-llama for a quick try); this backbone is {backbone}"
+        )
+    return ChatFormat(task=spec.name, tokenizer=tokenizer, max_length=max_length, metric=spec.metrics[0])
 
 
 def target_logprobs(logits: torch.Tensor, labels: torch.Tensor, shifted: bool) -> torch.Tensor:
