@@ -185,3 +185,15 @@ def test_a_generate_task_with_a_classifier_head_is_refused(tmp_path, capsys):
     argv = ["train", "--train-file", str(train), "--output-dir", str(tmp_path / "r"), "--decoder-head", "classifier"]
     assert main([*argv, "--model", "tiny-llama"]) == 1
     assert "a decoder with --decoder-head classifier" in capsys.readouterr().err
+
+
+def test_a_generate_run_is_refused_where_labels_are_scored(tmp_path, capsys):
+    out = _train(tmp_path, "messages")
+    capsys.readouterr()
+    asked = _write(tmp_path / "mixed.jsonl", [{"task": "talk", **rte_as_chat("val", 0, 1)[0]}])
+    bank = ["predict", "--adapters", f"talk={out}", "--input", str(asked), "--output", str(tmp_path / "p.jsonl")]
+    assert main(bank) == 1
+    assert f"{out} is a generate run: a bank scores labels" in capsys.readouterr().err
+    assert not (tmp_path / "p.jsonl").exists()
+    assert main(["eval", "--adapter", str(out), "--task", "cb"]) == 1
+    assert "talk, a generate task" in capsys.readouterr().err

@@ -10,6 +10,9 @@ Every task is scored as a choice among options whose index is the label id:
 - decoder-only LMs: a prompt and one continuation per option; training maximises the gold continuation,
   prediction compares the continuations' log-likelihoods. Continuations carry labels, so the capsule mean of
   CaPT covers the prompt only.
+
+A `generate` task (chat or instruction rows) has no options: `make_format` gives it `capt.recipes.chat.ChatFormat`,
+on decoder-only LMs only.
 """
 
 from __future__ import annotations
