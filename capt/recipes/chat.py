@@ -42,7 +42,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from .data import Example
-from .formats import Features, TaskFormat, has_capsules, target_logprobs
+from .format_base import Features, TaskFormat, has_capsules, target_logprobs, to_device
 from .metrics import exact_match, token_f1
 
 ASSISTANT_TURNS = ("last", "all")
@@ -389,8 +389,6 @@ class ChatFormat(TaskFormat):
             >>> sorted(scores)  # doctest: +SKIP
             ['exact_match', 'loss', 'perplexity', 'score', 'token_f1']
         """
-        from .evaluate import to_device  # evaluate imports the formats: a module-level import would be circular
-
         if not features:
             raise ValueError("no examples to evaluate")
         model.eval()

@@ -14,7 +14,6 @@ import json
 import warnings
 from functools import cache
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -23,6 +22,7 @@ from ..saving import atomic_write
 from . import formats
 from .chat import ChatFormat
 from .data import Example
+from .format_base import to_device
 from .formats import NO_OPTION, TaskFormat
 from .metrics import task_metrics
 from .run import RunConfig
@@ -144,12 +144,3 @@ def score_predictions(task: str, predictions: list[int], examples: list[Example]
         entities = [ex.candidates[p] if p != NO_OPTION else "" for ex, p in zip(examples, predictions, strict=True)]
         return task_metrics(task, entities, [list(ex.answers) for ex in examples])
     return task_metrics(task, predictions, [ex.label for ex in examples], groups=[ex.group for ex in examples])
-
-
-def to_device(value: Any, device) -> Any:
-    """Move the tensors of a (nested) batch to `device`."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: to_device(v, device) for k, v in value.items()}
-    return value
