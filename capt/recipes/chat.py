@@ -42,14 +42,14 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from .data import Example
-from .formats import Features, TaskFormat, has_capsules, target_logprobs
+from .format_base import Features, TaskFormat, has_capsules, target_logprobs, to_device
 from .metrics import exact_match, token_f1
 
 ASSISTANT_TURNS = ("last", "all")
 ROLES = ("system", "user", "assistant", "tool")
-# The validation number early stopping follows. Perplexity enters as its inverse (the geometric mean probability of
-# an answer token, in (0, 1]), so that every score is better when higher.
-METRICS = ("exact_match", "token_f1", "perplexity")
+# The validation number early stopping follows (a task spec's first metric). Loss and perplexity enter as the inverse
+# perplexity (the geometric mean probability of an answer token, in (0, 1]), so that every score is better when higher.
+METRICS = ("exact_match", "token_f1", "perplexity", "loss")
 
 
 class ChatDataError(ValueError):
@@ -123,14 +123,46 @@ def prompt_ids(
     return leading_special_ids(tokenizer) + tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def request_prompt_ids(tokenizer: PreTrainedTokenizerBase, fields: dict[str, Any], where: str) -> list[int]:
+    """The prompt of a generate row to answer, exactly as training wrote that row's prompt (`capt predict`, and
+    `capt serve` for a generate-trained adapter). The row is `messages` (where it ends with an assistant turn, that
+    turn is the answer asked for, as in training; else the turn after the last message) or a `prompt` (written as
+    a user turn where the tokenizer has a chat template, as training writes `prompt`/`completion` rows; a
+    `completion`, if given, is not read). Raises ChatDataError naming `where`.
+
+    Example:
+        >>> from capt.recipes.backbones import load_backbone
+        >>> tokenizer = load_backbone("tiny-llama").tokenizer  # no chat template: plain text
+        >>> tokenizer.decode(request_prompt_ids(tokenizer, {"prompt": "2 + 2 ="}, "row 1"))
+        '[CLS] 2 + 2 ='
+    """
+    if "messages" in fields:
+        messages = check_messages(fields["messages"], where)
+        if messages[-1]["role"] == "assistant":
+            messages = messages[:-1]
+        if not messages:
+            raise ChatDataError(f"{where}: messages holds only an assistant turn; there is no prompt to answer")
+        ids = prompt_ids(tokenizer, messages)
+    elif isinstance(fields.get("prompt"), str):
+        if has_chat_template(tokenizer):
+            ids = prompt_ids(tokenizer, [{"role": "user", "content": fields["prompt"]}])
+        else:
+            ids = prompt_ids(tokenizer, text=fields["prompt"])
+    else:
+        raise ChatDataError(f"{where}: a row to answer needs `messages`, or a `prompt` string")
+    if not ids:
+        raise ChatDataError(f"{where}: the prompt writes no token; the capsule summarises the prompt")
+    return ids
+
+
 @dataclass
 class ChatFormat(TaskFormat):
     """A `generate` task on a decoder-only LM: rows from `Example.fields` (`messages`, or `prompt` and
     `completion`), trained on the answer, evaluated by loss, perplexity and greedy answers (exact match, token F1).
 
     `assistant_turns`: "last" (default) or "all" (see the module docstring). `metric` names the validation number
-    that becomes "score": "token_f1" (default), "exact_match" or "perplexity" (as 1 / perplexity). Generated answers
-    stop at an end-of-text token or after `max_new_tokens`.
+    that becomes "score": "token_f1" (default), "exact_match", or "perplexity" or "loss" (either as 1 / perplexity).
+    Generated answers stop at an end-of-text token or after `max_new_tokens`.
 
     Padding: training rows on the right (as `CausalLMFormat`), generation prompts on the left (as `generate`
     needs); the capsule's positions do not depend on either.
@@ -182,6 +214,12 @@ class ChatFormat(TaskFormat):
             "reference": reference,
             "length": len(input_ids),
         }
+
+    def encode_request(self, fields: dict[str, Any], where: str) -> Features:
+        """{"prompt_ids", "length"}: the prompt of a row to answer (`capt predict`), as `request_prompt_ids` writes
+        it, cut from the left to `max_length` as training cuts prompts. Raises ChatDataError naming `where`."""
+        ids = self._truncated(request_prompt_ids(self.tokenizer, fields, where), self.max_length, where, 0)
+        return {"prompt_ids": ids, "length": len(ids)}
 
     def _segments(
         self, fields: dict[str, Any], where: str
@@ -265,14 +303,20 @@ class ChatFormat(TaskFormat):
 
     def collate(self, features: list[Features]) -> dict[str, Any]:
         """{"train_inputs": right-padded rows with labels and instance_mask, "prompt_inputs": left-padded
-        generation prompts, "references": the answers' texts}."""
+        generation prompts, "references": the answers' texts}; prompts only for `encode_request`'s features."""
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        prompts = [f["prompt_ids"] for f in features]
+        width = max(len(p) for p in prompts)
+        prompt_inputs = {
+            "input_ids": torch.tensor([[pad] * (width - len(p)) + p for p in prompts], dtype=torch.long),
+            "attention_mask": torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]),
+        }
+        if not all("input_ids" in f for f in features):
+            return {"prompt_inputs": prompt_inputs}
         rows = [f["input_ids"] for f in features]
         attention = self._pad([[1] * len(r) for r in rows], 0)
         positions = torch.arange(attention.shape[1])[None]
         instance = positions < torch.tensor([f["instance_length"] for f in features])[:, None]
-        prompts = [f["prompt_ids"] for f in features]
-        width = max(len(p) for p in prompts)
         return {
             "train_inputs": {
                 "input_ids": self._pad(rows, pad),
@@ -280,10 +324,7 @@ class ChatFormat(TaskFormat):
                 "labels": self._pad([f["labels"] for f in features], -100),
                 "instance_mask": instance & attention.bool(),
             },
-            "prompt_inputs": {
-                "input_ids": torch.tensor([[pad] * (width - len(p)) + p for p in prompts], dtype=torch.long),
-                "attention_mask": torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]),
-            },
+            "prompt_inputs": prompt_inputs,
             "references": [f["reference"] for f in features],
         }
 
@@ -341,15 +382,13 @@ class ChatFormat(TaskFormat):
     ) -> dict[str, float]:
         """{"loss" (mean NLL per answer token), "perplexity", "exact_match", "token_f1" (means over rows of the
         greedy answers against the references), "score" (the number `metric` names; 1 / perplexity for
-        "perplexity")}. Batched in length order, for less padding.
+        "perplexity" and "loss")}. Batched in length order, for less padding.
 
         Example:
             >>> scores = fmt.evaluate(model, features, batch_size=16)  # doctest: +SKIP
             >>> sorted(scores)  # doctest: +SKIP
             ['exact_match', 'loss', 'perplexity', 'score', 'token_f1']
         """
-        from .evaluate import to_device  # evaluate imports the formats: a module-level import would be circular
-
         if not features:
             raise ValueError("no examples to evaluate")
         model.eval()
@@ -370,7 +409,7 @@ class ChatFormat(TaskFormat):
             "exact_match": sum(matches) / len(matches),
             "token_f1": sum(overlaps) / len(overlaps),
         }
-        scores["score"] = math.exp(-loss) if self.metric == "perplexity" else scores[self.metric]
+        scores["score"] = math.exp(-loss) if self.metric in ("perplexity", "loss") else scores[self.metric]
         return scores
 
 

@@ -485,8 +485,37 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+# Metrics printed as they are (not as percentages), with their precision.
+RAW_METRICS = {"loss": 4, "perplexity": 3}
+
+
+def scores_text(task: str, scores: dict[str, Any]) -> str:
+    """`accuracy 62.50, macro_f1 43.50`: a run's scores as the CLI prints them (values, or {"mean", "std"} over
+    seeds). Loss and perplexity print as they are, the rest as percentages; a generate task leaves out "score"
+    (its headline metric restated, better when higher) and names the headline instead.
+
+    Example:
+        >>> scores_text("cb", {"accuracy": 0.625, "score": 0.53})
+        'accuracy 62.50, score 53.00'
+    """
+    from .tasks import get_task
+
+    spec = get_task(task)
+    parts = []
+    for name, value in scores.items():
+        if spec.kind == "generate" and name == "score":
+            continue
+        digits, scale = (RAW_METRICS[name], 1) if name in RAW_METRICS else (2, 100)
+        if isinstance(value, dict):
+            parts.append(f"{name} {scale * value['mean']:.{digits}f} ± {scale * value['std']:.{digits}f}")
+        else:
+            parts.append(f"{name} {scale * value:.{digits}f}")
+    headline = f" (headline: {spec.metrics[0]})" if spec.kind == "generate" else ""
+    return ", ".join(parts) + headline
+
+
 def _print_summary(summary: dict[str, Any]) -> None:
-    metrics = ", ".join(f"{k} {100 * v['mean']:.2f} ± {100 * v['std']:.2f}" for k, v in summary["test"].items())
+    metrics = scores_text(summary["task"], summary["test"])
     split = "test"
     if summary.get("scored_split", "test") != "test":
         split = "validation (no test file: these are validation scores)"
@@ -502,8 +531,14 @@ def _eval(args: argparse.Namespace) -> int:
     from .evaluate import encode_cached, evaluate, load_task
     from .formats import EncoderFormat, head_outputs
     from .run import load_run
+    from .tasks import get_task
 
     config, model, fmt = load_run(args.adapter)
+    if args.task and (get_task(args.task).kind == "generate") != (get_task(config.task).kind == "generate"):
+        raise ValueError(
+            f"--task {args.task}: {args.adapter} was trained on {config.task}, a {get_task(config.task).kind} task; "
+            "a run writes answers (generate) or scores labels, not both: score it with a run of the task's kind"
+        )
     if args.task and args.task != config.task and isinstance(fmt, EncoderFormat):
         trained, asked = head_outputs(config.task), head_outputs(args.task)
         if trained != asked:  # the run's head would score the other task's labels with the wrong classes
@@ -520,7 +555,7 @@ def _eval(args: argparse.Namespace) -> int:
     out = Path(args.adapter) / f"eval-{config.task}-{split}.json"
     atomic_write_text(out, json.dumps({"task": config.task, "split": split, **scores}, indent=2) + "\n")
     note = " (the task has no test file: validation scores)" if split != args.split else ""
-    print(f"{config.task} {split}{note}: " + ", ".join(f"{k} {100 * v:.2f}" for k, v in scores.items()) + f"  ({out})")
+    print(f"{config.task} {split}{note}: {scores_text(config.task, scores)}  ({out})")
     return 0
 
 

@@ -1,7 +1,8 @@
 """Scoring a model on a split, and the tokenisation cache both training and scoring read.
 
 load_splits(config) -> encode_cached(fmt, examples, config) -> evaluate(model, fmt, features, examples, ...),
-which is score_predictions(task, predict(model, fmt, features, ...), examples).
+which is score_predictions(task, predict(model, fmt, features, ...), examples), or for a generate task
+ChatFormat.evaluate (loss, perplexity and greedy answers).
 """
 
 from __future__ import annotations
@@ -13,14 +14,15 @@ import json
 import warnings
 from functools import cache
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 from ..saving import atomic_write
 from . import formats
+from .chat import ChatFormat
 from .data import Example
+from .format_base import to_device
 from .formats import NO_OPTION, TaskFormat
 from .metrics import task_metrics
 from .run import RunConfig
@@ -86,7 +88,6 @@ def encode_cached(fmt: TaskFormat, examples: list[Example], config: RunConfig) -
             getattr(fmt, "generate", None),
             fmt.cache_settings(),
             getattr(fmt, "prompt_bos", None),
-            fmt.spec.to_dict(),  # the task's templates and labels: a user task may change them under one name
             fmt.tokenizer.name_or_path,
             len(fmt.tokenizer),
             [dataclasses.asdict(ex) for ex in examples],  # every field and label, not only the ids
@@ -129,7 +130,10 @@ def evaluate(
     batch_size: int,
     device: torch.device | str = "cpu",
 ) -> dict[str, float]:
-    """Predict every example and compute the task's metrics."""
+    """Predict every example and compute the task's metrics; a generate task (`ChatFormat`) scores its answers'
+    loss, perplexity, exact match and token F1 (`ChatFormat.evaluate`)."""
+    if isinstance(fmt, ChatFormat):
+        return fmt.evaluate(model, features, batch_size, device)
     return score_predictions(fmt.task, predict(model, fmt, features, batch_size, device), examples)
 
 
@@ -140,12 +144,3 @@ def score_predictions(task: str, predictions: list[int], examples: list[Example]
         entities = [ex.candidates[p] if p != NO_OPTION else "" for ex, p in zip(examples, predictions, strict=True)]
         return task_metrics(task, entities, [list(ex.answers) for ex in examples])
     return task_metrics(task, predictions, [ex.label for ex in examples], groups=[ex.group for ex in examples])
-
-
-def to_device(value: Any, device) -> Any:
-    """Move the tensors of a (nested) batch to `device`."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: to_device(v, device) for k, v in value.items()}
-    return value

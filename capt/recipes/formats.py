@@ -10,6 +10,9 @@ Every task is scored as a choice among options whose index is the label id:
 - decoder-only LMs: a prompt and one continuation per option; training maximises the gold continuation,
   prediction compares the continuations' log-likelihoods. Continuations carry labels, so the capsule mean of
   CaPT covers the prompt only.
+
+A `generate` task (chat or instruction rows) has no options: `make_format` gives it `capt.recipes.chat.ChatFormat`,
+on decoder-only LMs only.
 """
 
 from __future__ import annotations
@@ -26,14 +29,13 @@ from transformers import PreTrainedTokenizerBase
 from ..config import CaptConfig
 from ..slots import positions_from_mask
 from .data import Example
+from .format_base import Features, TaskFormat, has_capsules, target_logprobs
 from .settings import PROMPT_BOS
 from .tasks import get_task, render
 from .tasks.spec import TaskSpec
 
 # What a generating format predicts for an answer that is none of the options: it matches no label, so it is wrong.
 NO_OPTION = -1
-
-Features = dict[str, Any]
 
 
 def tokenizer_adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -67,51 +69,6 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, prompt_bos: str
         return tokenizer((tokenizer.bos_token or "") + text, add_special_tokens=False)["input_ids"]
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return [tokenizer.bos_token_id, *ids] if tokenizer_adds_bos(tokenizer) else ids
-
-
-@dataclass
-class TaskFormat:
-    """Base: tokenisation limits and the label-id convention shared by all families."""
-
-    task: str
-    tokenizer: PreTrainedTokenizerBase
-    max_length: int
-
-    @property
-    def spec(self) -> TaskSpec:
-        """The task's spec (built-in, or a registered user task)."""
-        return get_task(self.task)
-
-    def encode(self, example: Example) -> Features:
-        raise NotImplementedError
-
-    def loss(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-        raise NotImplementedError
-
-    def scores(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-        """(examples, options) scores of every option of every example; missing options are -inf."""
-        raise NotImplementedError
-
-    def predict(self, model: nn.Module, batch: dict[str, Any]) -> list[int]:
-        """The best option's index per example."""
-        return self.scores(model, batch).argmax(-1).tolist()
-
-    def collate(self, features: list[Features]) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def cache_settings(self) -> dict[str, Any]:
-        """Settings besides the task, tokenizer, family and max length that change `encode`'s output; they enter the
-        key of the feature cache (`capt.recipes.evaluate.encode_cached`)."""
-        return {}
-
-    @staticmethod
-    def length(features: Features) -> int:
-        """Tokens in an encoded example, for length-grouped batching."""
-        return features["length"]
-
-    def _pad(self, rows: list[list[int]], value: int) -> torch.Tensor:
-        width = max(len(r) for r in rows)
-        return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long)
 
 
 @dataclass
@@ -370,14 +327,6 @@ def continuation_logits(model: nn.Module | partial, inputs: dict[str, torch.Tens
     return model(**model_inputs, logits_to_keep=keep).logits
 
 
-def has_capsules(model: nn.Module | partial) -> bool:
-    """Whether capsule hooks sit on `model` (CaptModel, the bank, or CaPT through PEFT): it takes `instance_mask`.
-
-    `model` may be a `functools.partial` of one (a bank called with its per-row `adapter_names`)."""
-    module = model.func if isinstance(model, partial) else model
-    return any(getattr(m, "_capt_attached", False) for m in module.modules())
-
-
 def _with_rows(model: nn.Module | partial, rows: torch.Tensor) -> nn.Module | partial:
     """`model` for a batch of the given option rows only: a bank's per-row `adapter_names` picked to match."""
     names = model.keywords.get("adapter_names") if isinstance(model, partial) else None
@@ -440,8 +389,9 @@ def make_format(
         >>> type(make_format("decoder", "copa", tokenizer, 64, decoder_head="classifier")).__name__
         'EncoderFormat'
     """
-    if get_task(task).kind == "generate":
-        raise ValueError(f"{task} is a generate task: it trains with the chat format, not a label-scoring one")
+    spec = get_task(task)
+    if spec.kind == "generate":
+        return _generate_format(spec, family, tokenizer, max_length, decoder_head)
     if family == "decoder" and decoder_head == "classifier":
         return EncoderFormat(task=task, tokenizer=tokenizer, max_length=max_length, padding_side="left")
     options = {"generate": t5_generate} if family == "encoder-decoder" else {}
@@ -452,26 +402,19 @@ def make_format(
     return FORMATS[family](task=task, tokenizer=tokenizer, max_length=max_length, **options)
 
 
-def target_logprobs(logits: torch.Tensor, labels: torch.Tensor, shifted: bool) -> torch.Tensor:
-    """Summed log-probability of the labelled tokens of each row; (R, K, V), (R, T) -> (R,).
+def _generate_format(
+    spec: TaskSpec, family: str, tokenizer: PreTrainedTokenizerBase, max_length: int, decoder_head: str
+) -> TaskFormat:
+    """The chat format of a generate task: a decoder-only LM writes the answer, so no other family or head can."""
+    from .chat import ChatFormat  # chat builds on this module: a module-level import would be circular
 
-    The logits cover the last K positions of the labels' T: prompt methods prepend virtual tokens (K > T: only the
-    last T are read), and `logits_to_keep` leaves only the trailing positions (K < T: labels without a logit must
-    be -100).
-
-    Example:
-        >>> logits = torch.log(torch.tensor([[[0.5, 0.5], [0.9, 0.1]]]))
-        >>> target_logprobs(logits, torch.tensor([[-100, 1]]), shifted=True).exp()
-        tensor([0.5000])
-    """
-    width = min(logits.shape[1], labels.shape[1])
-    logits, labels = logits[:, -width:], labels[:, -width:]
-    if shifted:
-        logits, labels = logits[:, :-1], labels[:, 1:]
-    logits = logits.float()
-    # log_softmax at the picked tokens only: no second (R, K, V) tensor.
-    picked = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
-    return (picked * (labels != -100)).sum(-1)
+    if family != "decoder" or decoder_head != "lm":
+        backbone = "a decoder with --decoder-head classifier" if family == "decoder" else f"an {family} model"
+        raise ValueError(
+            f"--model: {spec.name} is a generate task, which needs a decoder-only LM that writes its answers "
+            f"(e.g. --model smollm2, or tiny-llama for a quick try); this backbone is {backbone}"
+        )
+    return ChatFormat(task=spec.name, tokenizer=tokenizer, max_length=max_length, metric=spec.metrics[0])
 
 
 def _per_example(row_scores: torch.Tensor, options: list[int]) -> torch.Tensor:

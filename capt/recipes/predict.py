@@ -19,6 +19,7 @@ from ..bank import load_bank
 from ..model import CaptModel
 from ..saving import atomic_write
 from .backbones import load_backbone
+from .chat import ChatFormat
 from .data import DataFormatError, Example
 from .data.superglue import read_jsonl
 from .evaluate import encode_cached, predict
@@ -96,10 +97,13 @@ def predict_run(run_dir: Path, input_path: Path, output_path: Path) -> int:
     """Write the run's prediction for every input row (in input order) to `output_path` (jsonl); returns the count.
 
     Rows hold the task's own fields (a label, if present, is checked but not used). Each output line names the
-    input line, the predicted label (or option) and, for a choice task, its index. The input is never touched."""
+    input line, the predicted label (or option) and, for a choice task, its index; for a generate task, the greedy
+    answer (rows: `messages`, or a `prompt`). The input is never touched."""
     refuse_output_over_input(input_path, output_path)
     config, model, fmt = load_run(run_dir)
     spec = get_task(config.task)
+    if isinstance(fmt, ChatFormat):
+        return _write_answers(fmt, model, config.eval_batch_size, input_path, output_path)
     examples = []
     for where, row in read_rows(input_path):
         examples.extend((where, ex) for ex in parse_task_record(spec, row, where))
@@ -110,13 +114,35 @@ def predict_run(run_dir: Path, input_path: Path, output_path: Path) -> int:
     lines = []
     for (where, ex), index in zip(examples, chosen, strict=True):
         names = option_names(spec, ex)
-        record = {"row": where.rsplit(":", 1)[-1] if ":" in where else where, "task": spec.name}
+        record = {"row": _row_name(where), "task": spec.name}
         record["prediction"] = names[index] if index != NO_OPTION else None
         if spec.is_choice:
             record["index"] = index
         lines.append(json.dumps(record) + "\n")
     atomic_write(output_path, lambda tmp: Path(tmp).write_text("".join(lines)))
     return len(lines)
+
+
+def _write_answers(
+    fmt: ChatFormat, model: torch.nn.Module, batch_size: int, input_path: Path, output_path: Path
+) -> int:
+    """A generate run's greedy answer to every row (`messages`, or a `prompt`), in input order; returns the count."""
+    rows = read_rows(input_path)
+    if not rows:
+        raise DataFormatError(f"{input_path}: no rows to predict")
+    features = [fmt.encode_request(row, where) for where, row in rows]
+    answers = predict(model, fmt, features, batch_size)
+    lines = [
+        json.dumps({"row": _row_name(where), "task": fmt.task, "prediction": answer}) + "\n"
+        for (where, _), answer in zip(rows, answers, strict=True)
+    ]
+    atomic_write(output_path, lambda tmp: Path(tmp).write_text("".join(lines)))
+    return len(lines)
+
+
+def _row_name(where: str) -> str:
+    """What a prediction names its input row by: the line number of "file:line", else the whole place."""
+    return where.rsplit(":", 1)[-1] if ":" in where else where
 
 
 def refuse_output_over_input(input_path: Path, output_path: Path) -> None:
@@ -137,6 +163,12 @@ def predict_file(runs: dict[str, Path], input_path: Path, output_path: Path, bat
     for task, config in configs.items():
         if config.task != task or config.method != "capt":
             raise ValueError(f"{runs[task]} is a {config.method} run on {config.task}, not a CaPT run on {task}")
+    for task, config in configs.items():
+        if get_task(config.task).kind == "generate":
+            raise ValueError(
+                f"--adapters: {runs[task]} is a generate run: a bank scores labels; answer its rows with "
+                f"`capt predict --run {runs[task]}`"
+            )
     models = {config.model for config in configs.values()}
     if len(models) > 1:
         raise ValueError(f"the runs use different backbones {sorted(models)}; a bank shares one")

@@ -11,6 +11,7 @@ import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
@@ -23,6 +24,7 @@ from pydantic import AfterValidator, BaseModel, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..chat import prompt_ids as chat_prompt_ids
+from ..chat import request_prompt_ids
 from ..formats import encode_prompt
 from ..tasks import builtin_tasks
 from .engine import BASE_MODEL, Classification, Completion, Engine, QueueFull
@@ -286,9 +288,14 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
         check_model(body, body.max_tokens)
         # As the adapter's run encoded its prompts (a BOS where the tokenizer adds one, or as its run recorded); in a
         # thread: a long prompt takes a while to tokenise, and the event loop serves every other client.
-        prompt_ids = await asyncio.to_thread(
-            encode_prompt, engine.tokenizer, body.prompt, engine.prompt_bos(body.model)
-        )
+        if engine.generates(body.model):  # a generate-trained adapter: its prompt as its training rows wrote it
+            encode = partial(request_prompt_ids, engine.tokenizer, {"prompt": body.prompt}, "prompt")
+        else:
+            encode = partial(encode_prompt, engine.tokenizer, body.prompt, engine.prompt_bos(body.model))
+        try:
+            prompt_ids = await asyncio.to_thread(encode)
+        except ValueError as err:
+            raise HTTPError(400, str(err)) from err
         check_prompt(prompt_ids)
         stop = body.stops
         job, events = submit(

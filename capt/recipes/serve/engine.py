@@ -171,6 +171,12 @@ class Engine:
         info = self.adapters.get(name)
         return "tokenizer" if info is None else info.prompt_bos
 
+    def generates(self, name: str) -> bool:
+        """Whether `name` is an adapter trained on a generate task (its prompts are then written as its training
+        wrote them: `capt.recipes.chat.request_prompt_ids`)."""
+        info = self.adapters.get(name)
+        return info is not None and info.task is not None and get_task(info.task).kind == "generate"
+
     def unload(self, name: str) -> None:
         with self.lock:
             if name not in self.adapters:
@@ -199,6 +205,11 @@ class Engine:
                 spec = get_task(info.task or name)
             except ValueError as err:
                 raise ValueError(f"records[{number}]: adapter {name!r} answers no task ({err})") from err
+            if spec.kind == "generate":
+                raise ValueError(
+                    f"records[{number}]: adapter {name!r} was trained on the generate task {spec.name!r}: it writes "
+                    "answers and has no labels to classify; ask it through /v1/chat/completions"
+                )
             fmt = make_format(self.family, spec.name, self.tokenizer, info.max_length, prompt_bos=info.prompt_bos)
             items.append([(name, fmt, ex) for ex in parse_task_record(spec, record, f"records[{number}]")])
         return items
