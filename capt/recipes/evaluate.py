@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..saving import atomic_write
-from . import formats
+from . import format_base, formats
 from .chat import ChatFormat
 from .data import Example
 from .format_base import to_device
@@ -71,7 +71,7 @@ def _warn_of_untrained_classes(spec: TaskSpec, splits: dict[str, list[Example]])
 @cache
 def _template_code() -> str:
     """A hash of the code that turns examples into tokens: any edit to it invalidates the cache."""
-    code = "".join(inspect.getsource(module) for module in (render, preprocess, formats))
+    code = "".join(inspect.getsource(module) for module in (render, preprocess, format_base, formats))
     return hashlib.sha256(code.encode()).hexdigest()
 
 
