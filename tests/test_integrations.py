@@ -298,7 +298,9 @@ torch.save(logits, {str(tmp_path / "logits.pt")!r})
 print(type(model).__name__)
 """
     assert _run_fresh(script).strip() == "PeftModelForCausalLM"
-    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, rtol=0, atol=1e-4)
+    # float32 noise only: another process may sum SmolLM2's matmuls in another order (2e-4 seen on a loaded machine);
+    # a lost or misplaced capsule moves these logits by whole units.
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, rtol=0, atol=1e-3)
 
 
 # ---------------------------------------------------------------------- the documentation runs as written
