@@ -28,7 +28,7 @@ demo: install
 		--max-length 128 --data-dir $(DATA_DIR) --output-dir runs/demo --overwrite $(ARGS)
 
 test: install
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n auto $(ARGS)
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
