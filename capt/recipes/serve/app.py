@@ -312,41 +312,9 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
                     "choices": [choice]}  # fmt: skip
 
         if body.stream:
-
-            async def stream() -> AsyncIterator[str]:
-                try:
-                    while True:
-                        try:
-                            event = await next_event(events, deadline)
-                        except HTTPError as err:
-                            yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.kind}})}\n\n"
-                            return
-                        if "text" in event:
-                            yield f"data: {json.dumps(chunk(event['text'], None))}\n\n"
-                        else:
-                            yield f"data: {json.dumps(chunk('', event['done']))}\n\n"
-                            yield "data: [DONE]\n\n"
-                            return
-                finally:  # normal end, error, or a client that went away: the row leaves the batch
-                    job.cancelled.set()
-
-            return StreamingResponse(stream(), media_type="text/event-stream")
-
-        parts = []
-        watcher = asyncio.create_task(_watch_hang_up(request, job, events))
-        try:
-            while "done" not in (event := await next_event(events, deadline)):
-                parts.append(event["text"])
-        finally:
-            watcher.cancel()
-            job.cancelled.set()
-        answer = chunk("".join(parts), event["done"])
-        answer["usage"] = {
-            "prompt_tokens": len(prompt_ids),
-            "completion_tokens": event["tokens"],
-            "total_tokens": len(prompt_ids) + event["tokens"],
-        }
-        return answer
+            return stream_response(job, events, deadline, chunk)
+        text, event = await collect_answer(request, job, events, deadline)
+        return {**chunk(text, event["done"]), "usage": usage(prompt_ids, event)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionBody, request: Request):
@@ -372,39 +340,14 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
             return {"id": ident, "object": "chat.completion.chunk", "created": created, "model": body.model,
                     "choices": [choice]}  # fmt: skip
 
-        if body.stream:
-
-            async def stream() -> AsyncIterator[str]:
-                try:
-                    yield f"data: {json.dumps(chunk({'role': 'assistant', 'content': ''}, None))}\n\n"
-                    while True:
-                        try:
-                            event = await next_event(events, deadline)
-                        except HTTPError as err:
-                            yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.kind}})}\n\n"
-                            return
-                        if "text" in event:
-                            yield f"data: {json.dumps(chunk({'content': event['text']}, None))}\n\n"
-                        else:
-                            yield f"data: {json.dumps(chunk({}, event['done']))}\n\n"
-                            yield "data: [DONE]\n\n"
-                            return
-                finally:  # normal end, error, or a client that went away: the row leaves the batch
-                    job.cancelled.set()
-
-            return StreamingResponse(stream(), media_type="text/event-stream")
-
-        parts = []
-        watcher = asyncio.create_task(_watch_hang_up(request, job, events))
-        try:
-            while "done" not in (event := await next_event(events, deadline)):
-                parts.append(event["text"])
-        finally:
-            watcher.cancel()
-            job.cancelled.set()
+        if body.stream:  # OpenAI's chat stream opens with the role, then sends the text as content deltas
+            opening = chunk({"role": "assistant", "content": ""}, None)
+            delta = lambda text, finish: chunk({"content": text} if finish is None else {}, finish)  # noqa: E731
+            return stream_response(job, events, deadline, delta, opening)
+        text, event = await collect_answer(request, job, events, deadline)
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": "".join(parts)},
+            "message": {"role": "assistant", "content": text},
             "logprobs": None,
             "finish_reason": event["done"],
         }
@@ -414,12 +357,45 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
             "created": created,
             "model": body.model,
             "choices": [choice],
-            "usage": {
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": event["tokens"],
-                "total_tokens": len(prompt_ids) + event["tokens"],
-            },
+            "usage": usage(prompt_ids, event),
         }
+
+    def stream_response(job, events, deadline, chunk, opening: dict | None = None) -> StreamingResponse:
+        """A completion as server-sent events: `chunk(text, finish_reason)` shapes each one (the finish with no
+        text); the row leaves the batch however the stream ends (done, error, or a client that went away)."""
+
+        async def stream() -> AsyncIterator[str]:
+            try:
+                if opening is not None:
+                    yield f"data: {json.dumps(opening)}\n\n"
+                while True:
+                    try:
+                        event = await next_event(events, deadline)
+                    except HTTPError as err:
+                        yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.kind}})}\n\n"
+                        return
+                    if "text" in event:
+                        yield f"data: {json.dumps(chunk(event['text'], None))}\n\n"
+                    else:
+                        yield f"data: {json.dumps(chunk('', event['done']))}\n\n"
+                        yield "data: [DONE]\n\n"
+                        return
+            finally:
+                job.cancelled.set()
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    async def collect_answer(request: Request, job: Completion, events, deadline: float) -> tuple[str, dict]:
+        """A non-streamed completion's whole text and its final event; a client that hangs up frees the row."""
+        parts = []
+        watcher = asyncio.create_task(_watch_hang_up(request, job, events))
+        try:
+            while "done" not in (event := await next_event(events, deadline)):
+                parts.append(event["text"])
+        finally:
+            watcher.cancel()
+            job.cancelled.set()
+        return "".join(parts), event
 
     def check_model(body: SamplingFields, max_tokens: int) -> None:
         """Refuse a generation request the server cannot run (HTTPError), before its prompt is tokenised."""
@@ -503,3 +479,12 @@ class _EngineCounters:
         for kind, seconds in self.engine.busy.items():
             busy.add_metric([kind], seconds)
         yield busy
+
+
+def usage(prompt_ids: list[int], event: dict[str, Any]) -> dict[str, int]:
+    """OpenAI's token counts of a finished completion."""
+    return {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": event["tokens"],
+        "total_tokens": len(prompt_ids) + event["tokens"],
+    }
