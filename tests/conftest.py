@@ -104,6 +104,12 @@ def batch_inputs(name: str, batch: int = 2, length: int = 6, seed: int = 0) -> d
 
 
 @pytest.fixture
+def private_home(tmp_path, monkeypatch):
+    """HOME in the test's tmp_path: the tokenisation cache lives under ~/.cache/capt, so runs share nothing."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+
+
+@pytest.fixture
 def tmp_adapter(tmp_path):
     return tmp_path / "adapter"
 

@@ -18,9 +18,7 @@ DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "supergl
 TINY = ["--model", "tiny-llama", "--task", "cb", "--data-dir", str(DATA), "--limit-train", "16", "--limit-eval", "16"]
 
 
-@pytest.fixture(autouse=True)
-def feature_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("HOME", str(tmp_path))
+pytestmark = pytest.mark.usefixtures("private_home")  # each test its own feature cache (conftest)
 
 
 @pytest.fixture(scope="module")

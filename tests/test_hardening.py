@@ -21,9 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = ["--model", "tiny-llama", "--task", "rte", "--limit-eval", "12", "--data-dir", str(DATA)]
 
 
-@pytest.fixture(autouse=True)
-def feature_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("HOME", str(tmp_path))
+pytestmark = pytest.mark.usefixtures("private_home")  # each test its own feature cache (conftest)
 
 
 def _cli(*args: str) -> list[str]:

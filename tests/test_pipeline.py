@@ -20,9 +20,7 @@ DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "supergl
 QUICK = ["--limit-train", "16", "--limit-eval", "12", "--batch-size", "8", "--data-dir", str(DATA)]
 
 
-@pytest.fixture(autouse=True)
-def feature_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("HOME", str(tmp_path))  # the tokenisation cache lives under ~/.cache/capt
+pytestmark = pytest.mark.usefixtures("private_home")  # each test its own feature cache (conftest)
 
 
 def _fixed_batch(model_name, task="rte", count=8):

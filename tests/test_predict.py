@@ -15,9 +15,7 @@ DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "supergl
 QUICK = ["--limit-train", "16", "--limit-eval", "8", "--batch-size", "8", "--epochs", "1", "--data-dir", str(DATA)]
 
 
-@pytest.fixture(autouse=True)
-def feature_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("HOME", str(tmp_path))
+pytestmark = pytest.mark.usefixtures("private_home")  # each test its own feature cache (conftest)
 
 
 def test_mixed_task_file_gets_what_each_run_predicts_alone(tmp_path):

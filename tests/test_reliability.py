@@ -14,9 +14,7 @@ DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "supergl
 TINY = ["--model", "tiny-llama", "--task", "cb", "--limit-train", "16", "--limit-eval", "8", "--epochs", "1"]
 
 
-@pytest.fixture(autouse=True)
-def feature_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("HOME", str(tmp_path))
+pytestmark = pytest.mark.usefixtures("private_home")  # each test its own feature cache (conftest)
 
 
 def _error(capsys, argv: list[str]) -> str:

@@ -18,9 +18,7 @@ DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "supergl
 QUICK = ["--model", "tiny-llama", "--epochs", "1", "--batch-size", "8", "--max-length", "96"]
 
 
-@pytest.fixture(autouse=True)
-def feature_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("HOME", str(tmp_path))  # the tokenisation cache lives under ~/.cache/capt
+pytestmark = pytest.mark.usefixtures("private_home")  # each test its own feature cache (conftest)
 
 
 def _jsonl(path: Path) -> list[dict]:
