@@ -41,4 +41,4 @@ def __dir__() -> list[str]:
 register_when_loaded()
 
 __all__ = ["CaptConfig", "CaptModel", "get_capt_model", "param_groups"]
-__version__ = "0.3.0"
+__version__ = "0.4.0"

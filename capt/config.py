@@ -264,11 +264,11 @@ def _what_is_there(path: Path) -> str:
             model_type = "unreadable"
         return f"it holds a full transformers model (config.json, model_type {model_type}), not an adapter"
     if "model.safetensors" in names:
-        # What transformers.Trainer writes for a model it cannot save as an adapter (any plain nn.Module).
+        # What transformers.Trainer writes for a model it cannot save as an adapter (a plain nn.Module, and the
+        # CaptModel of capt 0.3, which was not yet a PeftModel to Trainer).
         return (
-            "it holds a full state dict (model.safetensors), as transformers.Trainer saves a CaptModel, not an "
-            "adapter; Trainer saves adapters of PEFT models: train peft.get_peft_model(base, capt.CaptConfig()) "
-            "(docs/integrations.md)"
+            "it holds a full state dict (model.safetensors), as transformers.Trainer saves a plain torch module, not "
+            "an adapter; Trainer saves a CaptModel or a PEFT model as its adapter (capt >= 0.4, docs/integrations.md)"
         )
     shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
     return f"it holds {shown}, not a CaPT adapter"

@@ -35,6 +35,21 @@ def config_base() -> type:
     return PeftConfig
 
 
+def model_base() -> type:
+    """The base class of `CaptModel`: `peft.PeftModel` when PEFT is available, else `torch.nn.Module`.
+
+    `transformers.Trainer` and TRL save, checkpoint and reload a model as an adapter only when it is a `PeftModel`
+    (an isinstance check, with no hook): as one, a bare `CaptModel` is saved as its adapter files, not whole.
+    """
+    if not peft_available():
+        from torch import nn
+
+        return nn.Module
+    from peft import PeftModel
+
+    return PeftModel
+
+
 def missing_modules(*names: str) -> list[str]:
     """The top-level modules among `names` that cannot be imported (found without importing them)."""
     return [name for name in names if importlib.util.find_spec(name) is None]

@@ -22,19 +22,23 @@ from transformers import PreTrainedModel
 from .baselines.registry import auxiliary_loss, build_slot_module
 from .config import WEIGHTS_NAME, CaptConfig
 from .heads import TaskHeads, resolve_head_names
+from .import_utils import model_base
 from .injector import CAPT_INPUTS, CapsuleInjector
 from .saving import read_adapter_weights, skip_tied_duplicates_in_state_dict, write_adapter
 from .sites import task_type_of
 
 
-class CaptModel(nn.Module):
+class CaptModel(model_base()):
     """A frozen `transformers` model plus trainable capsules; call it like the base model.
 
     Several task adapters can be loaded at once (a capsule bank): `load_adapter` / `set_adapter`, and
     `adapter_names=[...]` (one per example) on `forward` / `generate` mixes tasks in one batch.
 
-    `transformers.Trainer` saves only a `peft.PeftModel` as an adapter (a CaptModel it saves whole): to train with
-    Trainer, attach the same config with `peft.get_peft_model(base, config)` (docs/integrations.md).
+    With PEFT installed it is a `peft.PeftModel` to isinstance checks, because that is how `transformers.Trainer`
+    and TRL decide to save, checkpoint and reload (`load_best_model_at_end`, `resume_from_checkpoint`) a model as
+    its adapter files rather than whole. It keeps its own capsule bank and answers the part of PeftModel's
+    interface they use (`save_pretrained`, `load_adapter`, `active_adapters`, `peft_config`, `get_base_model`);
+    PEFT's own tools (layer status, merging) are for `peft.get_peft_model(base, config)` (docs/integrations.md).
 
     Example:
         >>> import torch, capt
@@ -55,7 +59,7 @@ class CaptModel(nn.Module):
     """
 
     def __init__(self, base_model: PreTrainedModel, config: CaptConfig, adapter_name: str = "default"):
-        super().__init__()
+        nn.Module.__init__(self)  # not PeftModel's, which would build a PEFT tuner
         _check_base_model(base_model)
         _check_adapter(adapter_name, config)
         self.base_model = base_model
@@ -84,6 +88,24 @@ class CaptModel(nn.Module):
     def capt_config(self) -> CaptConfig:
         """The active adapter's config."""
         return self.adapter_configs[self.active_adapter]
+
+    @property
+    def peft_config(self) -> dict[str, CaptConfig]:
+        """Every loaded adapter's config by name, as `PeftModel.peft_config`."""
+        return self.adapter_configs
+
+    @property
+    def active_adapters(self) -> list[str]:
+        """`[active_adapter]`, as `PeftModel.active_adapters` (Trainer reloads checkpoints into the first)."""
+        return [self.active_adapter]
+
+    @property
+    def active_peft_config(self) -> CaptConfig:
+        return self.capt_config
+
+    def get_base_model(self) -> PreTrainedModel:
+        """The frozen transformers model the capsules are attached to (hooks included)."""
+        return self.base_model
 
     @property
     def capsule_vectors(self) -> nn.Parameter:
@@ -197,13 +219,23 @@ class CaptModel(nn.Module):
     ) -> None:
         """Load a saved adapter next to the loaded ones (a capsule bank); `set_adapter` activates it.
 
+        Loading into a name that is already loaded replaces that adapter's weights and keeps whether it trains, as
+        PEFT does: this is how Trainer's `load_best_model_at_end` and `resume_from_checkpoint` reload a checkpoint.
+
         Example:
             >>> bank = capt.CaptModel.from_pretrained(base, "adapters/rte", adapter_name="rte")  # doctest: +SKIP
             >>> bank.load_adapter("adapters/boolq", adapter_name="boolq")  # doctest: +SKIP
             >>> bank(**batch, adapter_names=["rte", "boolq", "rte"])  # doctest: +SKIP
         """
         directory = Path(path)
-        self.add_adapter(adapter_name, CaptConfig.from_pretrained(directory))
+        config = CaptConfig.from_pretrained(directory)
+        if adapter_name in self.adapter_configs:
+            _check_same_method(self.adapter_configs[adapter_name], config, f"{directory} for adapter {adapter_name!r}")
+            self.load_adapter_state_dict(
+                read_adapter_weights(directory, allow_pickle), str(directory / WEIGHTS_NAME), adapter_name
+            )
+            return
+        self.add_adapter(adapter_name, config)
         try:
             self.load_adapter_state_dict(
                 read_adapter_weights(directory, allow_pickle), str(directory / WEIGHTS_NAME), adapter_name
@@ -263,12 +295,27 @@ class CaptModel(nn.Module):
             for key, tensor in state.items():
                 expected[key].copy_(tensor)
 
-    def save_pretrained(self, save_directory: str | os.PathLike, adapter_name: str | None = None) -> None:
+    def save_pretrained(
+        self,
+        save_directory: str | os.PathLike,
+        adapter_name: str | None = None,
+        *,
+        is_main_process: bool = True,
+        state_dict: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         """Write `adapter_config.json` and `adapter_model.safetensors` (each replaced atomically), in PEFT's format.
 
         `peft.PeftModel.from_pretrained(base, save_directory)` loads the result, and this class loads what PEFT
-        saves. Saves the active adapter unless `adapter_name` names another loaded one.
+        saves. Saves the active adapter unless `adapter_name` names another loaded one. `is_main_process=False`
+        (another rank of a distributed Trainer) writes nothing.
         """
+        if state_dict is not None:  # Trainer passes one only for sharded models (DeepSpeed ZeRO-3, FSDP)
+            raise ValueError(
+                "CaptModel.save_pretrained writes its own adapter and takes no state_dict (a sharded Trainer passes "
+                "one): for DeepSpeed or FSDP attach CaPT with peft.get_peft_model(base, capt.CaptConfig())"
+            )
+        if not is_main_process:
+            return
         name = adapter_name or self.active_adapter
         self.require_loaded(name)
         adapter_config = self.adapter_configs[name]
@@ -360,6 +407,8 @@ def get_capt_model(base_model: PreTrainedModel, config: CaptConfig | None = None
 
 def _check_base_model(base_model: Any) -> None:
     """A TypeError unless `base_model` is a plain `transformers` model (not a PEFT wrapper, not a bare module)."""
+    if isinstance(base_model, CaptModel):
+        raise TypeError("base_model is already a CaptModel; add more adapters with add_adapter or load_adapter")
     if any(cls.__name__ == "PeftModel" for cls in type(base_model).__mro__):
         raise TypeError(
             "base_model is a peft.PeftModel: CaPT would freeze its adapter's weights; pass the transformers model "
@@ -367,6 +416,21 @@ def _check_base_model(base_model: Any) -> None:
         )
     if not isinstance(base_model, PreTrainedModel):
         raise TypeError(f"base_model must be a transformers PreTrainedModel, got {type(base_model).__name__}")
+
+
+# What an adapter's config says about its method, as opposed to its initial values and bookkeeping.
+_METHOD_FIELDS = [name for name in CaptConfig.__annotations__ if name not in ("init", "init_std", "base_model")]
+
+
+def _check_same_method(loaded: CaptConfig, saved: CaptConfig, source: str) -> None:
+    """A ValueError naming the fields in which a saved adapter's method differs from the loaded one it replaces."""
+    differ = [
+        f"{name}: {getattr(saved, name)!r} != {getattr(loaded, name)!r}"
+        for name in _METHOD_FIELDS
+        if getattr(saved, name) != getattr(loaded, name)
+    ]
+    if differ:
+        raise ValueError(f"{source}: the saved adapter is another method than the loaded one ({'; '.join(differ)})")
 
 
 def _check_adapter(adapter_name: Any, config: Any) -> None:

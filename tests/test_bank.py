@@ -116,8 +116,13 @@ def test_the_bank_api(tmp_path):
         bank(**batch_inputs("bert-cls"), adapter_names=["a", "c"])
     with pytest.raises(ValueError, match="one per example"):
         bank(**batch_inputs("bert-cls"), adapter_names=["a"])
+    # Loading into a loaded name replaces its weights (as PEFT does; Trainer reloads checkpoints so).
+    b_state = bank.adapter_state_dict("b")
+    bank.load_adapter(paths["b"], adapter_name="a")
+    a_state = bank.adapter_state_dict("a")
+    assert a_state.keys() == b_state.keys() and all(torch.equal(a_state[k], b_state[k]) for k in a_state)
     with pytest.raises(ValueError, match="already loaded"):
-        bank.load_adapter(paths["a"], adapter_name="a")
+        bank.add_adapter("a", capt.CaptConfig())
     bank.delete_adapter("a")
     assert list(bank.adapter_configs) == ["b"]
 

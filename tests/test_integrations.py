@@ -18,7 +18,7 @@ import peft
 import pytest
 import torch
 from conftest import batch_inputs, build
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
 import capt
@@ -67,8 +67,17 @@ def _run_fresh(script: str) -> str:
 # ---------------------------------------------------------------------- transformers.Trainer
 
 
-def test_trainer_saves_checkpoints_and_the_final_model_as_adapters_and_resumes_from_them(tmp_path):
-    model = peft.get_peft_model(build("llama"), capt.CaptConfig(init="normal"))
+def _attach(route: str, base, config: capt.CaptConfig):
+    """The two ways to give Trainer a CaPT model: PEFT's get_peft_model, or capt's own CaptModel."""
+    return peft.get_peft_model(base, config) if route == "peft" else capt.get_capt_model(base, config)
+
+
+ROUTES = ["peft", "capt"]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_trainer_saves_checkpoints_and_the_final_model_as_adapters_and_resumes_from_them(route, tmp_path):
+    model = _attach(route, build("llama"), capt.CaptConfig(init="normal"))
     trainer = Trainer(model=model, args=_args(tmp_path / "run"), train_dataset=_rows())
     trainer.train()
     trainer.save_model(str(tmp_path / "final"))
@@ -82,11 +91,62 @@ def test_trainer_saves_checkpoints_and_the_final_model_as_adapters_and_resumes_f
     torch.testing.assert_close(_logits(reloaded, inputs), expected, rtol=0, atol=1e-6)
 
     # Resuming from the first checkpoint continues from its capsules and ends where the uninterrupted run ended.
-    resumed = peft.get_peft_model(build("llama"), capt.CaptConfig(init="normal"))
+    resumed = _attach(route, build("llama"), capt.CaptConfig(init="normal"))
     Trainer(model=resumed, args=_args(tmp_path / "run"), train_dataset=_rows()).train(
         resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1")
     )
     torch.testing.assert_close(_logits(resumed, inputs), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_load_best_model_at_end_reloads_the_best_checkpoints_adapter(route, tmp_path):
+    evaluations = []
+
+    def first_is_best(_):  # the first evaluation scores highest, so the best checkpoint is not the last
+        evaluations.append(1)
+        return {"rank": -len(evaluations)}
+
+    model = _attach(route, build("llama"), capt.CaptConfig(init="normal"))
+    args = _args(
+        tmp_path / "run",
+        max_steps=3,
+        eval_strategy="steps",
+        eval_steps=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="rank",
+        greater_is_better=True,
+    )
+    trainer = Trainer(
+        model=model, args=args, train_dataset=_rows(), eval_dataset=_rows(4), compute_metrics=first_is_best
+    )
+    trainer.train()
+    assert Path(trainer.state.best_model_checkpoint).name == "checkpoint-1"
+    trainer.save_model(str(tmp_path / "final"))
+    final = load_file(tmp_path / "final" / "adapter_model.safetensors")
+    best = load_file(tmp_path / "run" / "checkpoint-1" / "adapter_model.safetensors")
+    last = load_file(tmp_path / "run" / "checkpoint-3" / "adapter_model.safetensors")
+    assert final.keys() == best.keys() and all(torch.equal(final[k], best[k]) for k in final)
+    assert not all(torch.equal(final[k], last[k]) for k in final)  # the reload changed the model
+    assert any(p.requires_grad for p in model.parameters())  # and left the adapter trainable
+
+
+def test_a_checkpoint_of_another_method_is_not_loaded_into_an_adapter(tmp_path):
+    capt.get_capt_model(build("llama"), capt.CaptConfig(num_slots=2, instance_aware=False)).save_pretrained(tmp_path)
+    model = capt.get_capt_model(build("llama"), capt.CaptConfig())
+    with pytest.raises(ValueError, match=r"another method than the loaded one \(num_slots: 2 != 1; instance_aware"):
+        model.load_adapter(tmp_path, "default")
+
+
+def test_a_capt_model_is_a_peft_model_to_trainer_and_says_so_in_peft_terms():
+    base = build("llama")
+    model = capt.get_capt_model(base, capt.CaptConfig())
+    assert isinstance(model, peft.PeftModel)
+    assert model.get_base_model() is base and model.active_adapters == ["default"]
+    assert model.peft_config == {"default": model.capt_config} and not model.peft_config["default"].is_prompt_learning
+    with pytest.raises(ValueError, match=r"takes no state_dict .* peft.get_peft_model"):
+        model.save_pretrained("unused", state_dict=model.state_dict())
+    with pytest.raises(TypeError, match=r"already a CaptModel"):
+        capt.get_capt_model(model, capt.CaptConfig())
 
 
 @pytest.mark.parametrize("route", ["optimizers", "optimizer_cls_and_kwargs"])
@@ -195,12 +255,12 @@ def test_another_peft_methods_adapter_is_named_in_one_line(tmp_path):
 def test_folders_that_are_not_adapters_say_what_they_are(tmp_path):
     build("llama").save_pretrained(tmp_path / "full")
     (tmp_path / "empty").mkdir()
-    trainer_save = tmp_path / "trainer"
-    Trainer(model=capt.get_capt_model(build("llama")), args=_args(tmp_path / "run")).save_model(str(trainer_save))
+    (tmp_path / "trainer").mkdir()  # what Trainer saves for a plain torch module (and did for a capt 0.3 CaptModel)
+    save_file({"weight": torch.zeros(2)}, tmp_path / "trainer" / "model.safetensors")
     expected = {
         "full": "it holds a full transformers model (config.json, model_type llama), not an adapter",
         "empty": "it is an empty folder",
-        "trainer": "it holds a full state dict (model.safetensors), as transformers.Trainer saves a CaptModel",
+        "trainer": "it holds a full state dict (model.safetensors), as transformers.Trainer saves a plain torch module",
         "missing": "the path does not exist",
     }
     for folder, what in expected.items():
@@ -252,10 +312,11 @@ def test_whole_sequence_labels_warn_once_and_are_refused_when_no_row_has_a_promp
     torch.testing.assert_close(with_mask, model(input_ids=ids, labels=masked).logits, rtol=0, atol=1e-6)
 
 
-def test_an_instance_mask_column_reaches_a_peft_model_in_trainer_when_trainer_keeps_the_column(tmp_path):
+@pytest.mark.parametrize("route", ROUTES)
+def test_an_instance_mask_column_reaches_the_model_in_trainer_when_trainer_keeps_the_column(route, tmp_path):
     """Trainer keeps only the columns the base model's forward names, for a PeftModel: the refusal says so."""
     rows = [{**row, "labels": row["input_ids"], "instance_mask": (row["labels"] == -100).long()} for row in _rows()]
-    model = peft.get_peft_model(build("llama"), capt.CaptConfig())
+    model = _attach(route, build("llama"), capt.CaptConfig())
     with pytest.raises(ValueError, match=r"remove_unused_columns=False"):
         Trainer(model=model, args=_args(tmp_path / "dropped"), train_dataset=rows).train()
     kept = _args(tmp_path / "kept", remove_unused_columns=False)
@@ -265,9 +326,10 @@ def test_an_instance_mask_column_reaches_a_peft_model_in_trainer_when_trainer_ke
 # ---------------------------------------------------------------------- the real SmolLM2, reloaded in a new process
 
 
-def test_smollm2_trained_by_trainer_reloads_in_a_fresh_process_with_peft_auto_class(smollm2, tmp_path):
+@pytest.mark.parametrize("route", ROUTES)
+def test_smollm2_trained_by_trainer_reloads_in_a_fresh_process_with_peft_auto_class(route, smollm2, tmp_path):
     tokenizer = smollm2.tokenizer
-    model = peft.get_peft_model(smollm2.model, capt.CaptConfig(init="normal"))
+    model = _attach(route, smollm2.model, capt.CaptConfig(init="normal"))
     try:
         encoded = tokenizer(["Question: is the sky blue? Answer: yes", "Question: is fire cold? Answer: no"])
         rows = []
@@ -282,7 +344,7 @@ def test_smollm2_trained_by_trainer_reloads_in_a_fresh_process_with_peft_auto_cl
         adapter_bytes = (tmp_path / "final" / "adapter_model.safetensors").stat().st_size
         assert adapter_bytes < 100_000 and not (tmp_path / "final" / "model.safetensors").exists()
         trained = load_file(tmp_path / "final" / "adapter_model.safetensors")
-        assert trained["base_model.capt_layer.capt_capsules.vectors"].shape == (30, 576)
+        assert [tuple(t.shape) for t in trained.values()] == [(30, 576)]  # the capsules alone
         inputs = tokenizer(["The capital of France is"], return_tensors="pt")
         model.eval()
         expected = _logits(model, inputs)

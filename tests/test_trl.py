@@ -60,7 +60,8 @@ def _tiny():
     return backbone
 
 
-def _trainer(backbone, dataset, tmp_path: Path, **settings) -> trl.SFTTrainer:
+def _trainer(backbone, dataset, tmp_path: Path, route: str = "peft", **settings) -> trl.SFTTrainer:
+    """An SFTTrainer given CaPT as TRL's `peft_config`, or (route "capt") given a CaptModel."""
     args = dict(
         output_dir=str(tmp_path / "sft"),
         max_steps=3,
@@ -73,12 +74,13 @@ def _trainer(backbone, dataset, tmp_path: Path, **settings) -> trl.SFTTrainer:
         bf16=False,  # TRL's default autocasts even on CPU; the fresh process compares in float32
         assistant_only_loss="messages" in dataset.column_names,
     )
+    config = capt.CaptConfig(task_type="CAUSAL_LM")
     return trl.SFTTrainer(
-        model=backbone.model,
+        model=capt.get_capt_model(backbone.model, config) if route == "capt" else backbone.model,
         args=trl.SFTConfig(**{**args, **settings}),
         train_dataset=dataset,
         processing_class=backbone.tokenizer,
-        peft_config=capt.CaptConfig(task_type="CAUSAL_LM"),
+        peft_config=None if route == "capt" else config,
     )
 
 
@@ -114,7 +116,7 @@ def _check_trains_saves_and_reloads(backbone, name: str, trainer: trl.SFTTrainer
     saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert (saved["peft_type"], saved["task_type"]) == ("CAPT", "CAUSAL_LM")
     model = trainer.model.eval()
-    assert model.base_model.capsule_vectors.abs().max() > 0  # trained away from the zero init
+    assert model.capsule_vectors.abs().max() > 0  # trained away from the zero init
 
     batch = next(iter(trainer.get_train_dataloader()))
     _prompt_is_the_instance(model, batch)
@@ -125,10 +127,13 @@ def _check_trains_saves_and_reloads(backbone, name: str, trainer: trl.SFTTrainer
     torch.testing.assert_close(reloaded, in_memory, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("shape", ["messages", "prompt-completion"])
-def test_sft_trains_a_capt_adapter_on_the_answer_that_reloads_in_a_fresh_process(shape, tmp_path):
+@pytest.mark.parametrize(
+    ("shape", "route"), [("messages", "peft"), ("prompt-completion", "peft"), ("messages", "capt")]
+)
+def test_sft_trains_a_capt_adapter_on_the_answer_that_reloads_in_a_fresh_process(shape, route, tmp_path):
     backbone = _tiny()
-    _check_trains_saves_and_reloads(backbone, "tiny-llama", _trainer(backbone, _dataset(shape), tmp_path), tmp_path)
+    trainer = _trainer(backbone, _dataset(shape), tmp_path, route)
+    _check_trains_saves_and_reloads(backbone, "tiny-llama", trainer, tmp_path)
 
 
 @pytest.mark.parametrize(
