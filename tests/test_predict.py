@@ -18,11 +18,13 @@ QUICK = ["--limit-train", "16", "--limit-eval", "8", "--batch-size", "8", "--epo
 pytestmark = pytest.mark.usefixtures("private_home")  # each test its own feature cache (conftest)
 
 
-def test_mixed_task_file_gets_what_each_run_predicts_alone(tmp_path):
+@pytest.mark.parametrize("rte_method", ["capt", "capt-rms"])  # a bank may mix CaPT's two means
+def test_mixed_task_file_gets_what_each_run_predicts_alone(rte_method, tmp_path):
     runs = {}
-    for task, lr in (("cb", "0.5"), ("rte", "0.3")):  # large rates: two clearly different adapters
+    for task, lr, method in (("cb", "0.5", "capt"), ("rte", "0.3", rte_method)):  # large rates: clearly different
         runs[task] = tmp_path / task
-        argv = ["train", "--model", "tiny-llama", "--task", task, "--lr", lr, "--output-dir", str(runs[task])]
+        argv = ["train", "--model", "tiny-llama", "--task", task, "--method", method, "--lr", lr]
+        argv += ["--output-dir", str(runs[task])]
         assert main([*argv, *QUICK]) == 0
 
     lines, expected = [], []

@@ -25,6 +25,7 @@ from .data.superglue import read_jsonl
 from .evaluate import encode_cached, predict
 from .formats import NO_OPTION, EncoderFormat, TaskFormat, head_outputs, make_format
 from .run import ADAPTER_DIR, load_run, missing_weights, read_run_config
+from .settings import CAPT_METHODS
 from .tasks import get_task, parse_task_record, read_rows
 
 
@@ -161,7 +162,7 @@ def predict_file(runs: dict[str, Path], input_path: Path, output_path: Path, bat
     refuse_output_over_input(input_path, output_path)
     configs = {task: read_run_config(run) for task, run in runs.items()}
     for task, config in configs.items():
-        if config.task != task or config.method != "capt":
+        if config.task != task or config.method not in CAPT_METHODS:
             raise ValueError(f"{runs[task]} is a {config.method} run on {config.task}, not a CaPT run on {task}")
     for task, config in configs.items():
         if get_task(config.task).kind == "generate":
