@@ -150,7 +150,9 @@ def _parser() -> argparse.ArgumentParser:
     predict = commands.add_parser("predict", help="a run's answers for new inputs (or several CaPT runs as one bank)")
     source = predict.add_mutually_exclusive_group(required=True)
     source.add_argument("--run", help="a run folder from `capt train`; --input rows hold its task's own fields")
-    source.add_argument("--adapters", help="task=RUN_DIR pairs of CaPT runs (capt or capt-rms), e.g. rte=runs/a,cb=runs/b (mixed input)")
+    source.add_argument(
+        "--adapters", help="task=RUN_DIR pairs of CaPT runs (capt or capt-rms), e.g. rte=runs/a,cb=runs/b (mixed input)"
+    )
     predict.add_argument(
         "--input",
         required=True,
