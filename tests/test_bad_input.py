@@ -643,6 +643,7 @@ def test_causal_lm_labels_of_another_shape_are_refused_before_they_skip_the_targ
     assert model(input_ids=ids, labels=torch.tensor([[-100, 6, 7]])).loss.isfinite()
 
 
+@pytest.mark.slow  # test_reliability.py resumes a killed run with more seeds in the default suite (13 s)
 def test_several_seeds_resume_after_a_kill_between_two_seeds(tmp_path, capsys):
     """Seed 0 finished, seed 1 killed before its first checkpoint: --resume keeps seed 0 and trains seed 1 (it
     said "no checkpoint.pt ... start it again with --overwrite", which retrains seed 0 too)."""

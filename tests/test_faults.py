@@ -63,7 +63,7 @@ def reference(tmp_path_factory):
     return tmp / "run"
 
 
-# Two kill points run in the default suite; the other four (a minute each) with `pytest -m slow tests/test_faults.py`.
+# Two kill points run in the default suite; the other four (a minute each) with `make test-slow`.
 @pytest.mark.parametrize(
     "pause",
     [
@@ -167,6 +167,7 @@ def test_a_killed_sweep_continues_its_interrupted_run_to_the_uninterrupted_resul
     assert cell["test"] == expected["test"] and cell["chosen_lr"] == expected["chosen_lr"]
 
 
+@pytest.mark.slow  # a variant of the killed sweep the default suite resumes (15 s)
 def test_a_killed_sweep_started_again_with_other_settings_starts_the_run_over(reference_sweep, tmp_path):
     out = tmp_path / "sweep"
     _capt(tmp_path, out, args=SWEEP, pause="checkpoint@3")  # the grid point, at the end of epoch 1 of 2
@@ -178,6 +179,7 @@ def test_a_killed_sweep_started_again_with_other_settings_starts_the_run_over(re
     assert [r["step"] for r in steps if r["kind"] == "step"] == list(range(1, 13))  # 3 epochs from step 1
 
 
+@pytest.mark.slow  # a variant of the killed sweep the default suite resumes (15 s)
 def test_a_killed_comparison_keeps_its_finished_seeds_and_continues_the_interrupted_one(reference, tmp_path):
     out = tmp_path / "compare"
     argv = ["compare", "--tasks", "cb", "--methods", "capt", "--seeds", "2", "--lr", "0.05", *RUN]

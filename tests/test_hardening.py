@@ -33,6 +33,7 @@ def _steps_logged(run: Path) -> int:
     return log.read_text().count('"kind": "step"') if log.exists() else 0
 
 
+@pytest.mark.slow  # test_faults.py kills and resumes at every write; this is its plain kill -9 case (24 s)
 def test_resume_after_kill_9_equals_an_uninterrupted_run(tmp_path):
     args = [
         "train",
