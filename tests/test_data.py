@@ -307,3 +307,28 @@ def test_paper_split_never_splits_a_multirc_passage():
 def test_paper_split_rejects_bad_fraction():
     with pytest.raises(ValueError, match="val_fraction"):
         paper_splits("cb", DATA, val_fraction=1.0)
+
+
+@pytest.mark.parametrize(
+    ("task", "limit_train", "limit_eval"), [("multirc", 120, 300), ("multirc", 5, 5), ("cb", 20, 7)]
+)
+def test_limits_cut_whole_passages_and_exact_counts_elsewhere(task, limit_train, limit_eval):
+    """--limit-train / --limit-eval on MultiRC keep whole passages (at least one), so no question loses answers;
+    on a task without passages they keep exactly the first N."""
+    from capt.recipes.evaluate import load_task
+    from capt.recipes.settings import RunConfig
+
+    full = paper_splits(task, DATA)
+    _, cut, _ = load_task(RunConfig(task=task, data_dir=str(DATA), limit_train=limit_train, limit_eval=limit_eval))
+    for split, limit in (("train", limit_train), ("validation", limit_eval), ("test", limit_eval)):
+        kept, whole = cut[split], full[split]
+        assert kept == whole[: len(kept)]  # a prefix, in file order
+        if task == "cb":
+            assert len(kept) == limit
+            continue
+        passages = {ex.doc for ex in kept}
+        assert not passages & {ex.doc for ex in whole[len(kept) :]}  # every passage whole
+        first_passage = sum(ex.doc == whole[0].doc for ex in whole)
+        assert len(kept) <= limit or len(kept) == first_passage  # within the limit, or the one first passage
+        next_passage = sum(ex.doc == whole[len(kept)].doc for ex in whole)
+        assert len(kept) + next_passage > limit  # rounded down by less than a passage: the next one would not fit

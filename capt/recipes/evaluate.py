@@ -47,9 +47,31 @@ def load_task(config: RunConfig) -> tuple[TaskSpec, dict[str, list[Example]], st
     if spec.name not in builtin_tasks():
         register_task(spec)
     limits = {"train": config.limit_train, "validation": config.limit_eval, "test": config.limit_eval}
-    cut = {name: examples[: limits[name]] if limits[name] else examples for name, examples in splits.items()}
+    cut = {name: first_examples(examples, limits[name]) for name, examples in splits.items()}
     _warn_of_untrained_classes(spec, cut)
     return spec, cut, scored
+
+
+def first_examples(examples: list[Example], limit: int | None) -> list[Example]:
+    """The first `limit` examples (all for None). Where examples share a passage (`doc`: MultiRC, ReCoRD), the whole
+    passages among them, and at least the first: a passage cut in two would cut questions in two, and MultiRC's exact
+    match is per question. A split keeps each passage's examples together, in file order.
+
+    Example:
+        >>> rows = [Example("multirc", i, {}, 0, doc=f"p{i // 3}") for i in range(9)]  # three passages of three
+        >>> len(first_examples(rows, 7)), len(first_examples(rows, 2))
+        (6, 3)
+    """
+    if not limit or len(examples) <= limit:
+        return examples
+    cut_passage = examples[limit].doc
+    if cut_passage is None or examples[limit - 1].doc != cut_passage:
+        return examples[:limit]
+    start = next(i for i in range(limit) if examples[i].doc == cut_passage)
+    if start > 0:
+        return examples[:start]
+    end = next((i for i in range(limit, len(examples)) if examples[i].doc != cut_passage), len(examples))
+    return examples[:end]
 
 
 def _warn_of_untrained_classes(spec: TaskSpec, splits: dict[str, list[Example]]) -> None:

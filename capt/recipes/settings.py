@@ -265,8 +265,10 @@ FIELD_HELP = {
     "bf16": "train in bfloat16 autocast",
     "seed": "training seed (with --seeds N: the first of N)",
     "split_seed": "seed of the 90/10 train/validation split, fixed across training seeds",
-    "limit_train": "use the first N training examples, for quick runs (default: all)",
-    "limit_eval": "use the first N validation and test examples, for quick runs (default: all)",
+    "limit_train": "use the first N training examples (MultiRC, ReCoRD: the whole passages among them, at least one; "
+    "default: all)",
+    "limit_eval": "use the first N validation and test examples (MultiRC, ReCoRD: whole passages, as --limit-train; "
+    "default: all)",
     "deep_prompt_slots": "deep-prompt only: task slots per layer",
     "virtual_tokens": "prompt and ptv2 only: soft-prompt length",
     "lora_rank": "lora only: the rank r (alpha = 2r)",
