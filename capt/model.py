@@ -229,17 +229,14 @@ class CaptModel(model_base()):
         """
         directory = Path(path)
         config = CaptConfig.from_pretrained(directory)
+        state, source = read_adapter_weights(directory, allow_pickle), str(directory / WEIGHTS_NAME)
         if adapter_name in self.adapter_configs:
             _check_same_method(self.adapter_configs[adapter_name], config, f"{directory} for adapter {adapter_name!r}")
-            self.load_adapter_state_dict(
-                read_adapter_weights(directory, allow_pickle), str(directory / WEIGHTS_NAME), adapter_name
-            )
+            self.load_adapter_state_dict(state, source, adapter_name)
             return
         self.add_adapter(adapter_name, config)
         try:
-            self.load_adapter_state_dict(
-                read_adapter_weights(directory, allow_pickle), str(directory / WEIGHTS_NAME), adapter_name
-            )
+            self.load_adapter_state_dict(state, source, adapter_name)
         except Exception:
             self.delete_adapter(adapter_name)
             raise
