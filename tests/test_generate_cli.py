@@ -162,6 +162,30 @@ def test_early_stopping_follows_the_metric_the_task_names(headline, tmp_path):
     assert results["best_validation_score"] == max(r["validation_score"] for r in epochs)
 
 
+def test_sweep_and_compare_run_a_generate_task_with_the_frozen_model_as_its_reference(tmp_path):
+    """A chat task has no labels: its reference is the zero-shot row alone, the frozen backbone scored as the runs
+    are (loss, perplexity, answers), where a majority-label row used to end the sweep with an error."""
+    from capt.recipes.backbones import load_backbone
+
+    rows = rte_as_chat("train", 0, 30)
+    for split, part in (("train", rows[:20]), ("validation", rows[20:25]), ("test", rows[25:])):
+        _write(tmp_path / f"{split}.jsonl", part)
+    split_files = {"train": "train.jsonl", "validation": "validation.jsonl", "test": "test.jsonl"}
+    task = {"name": "talk", "kind": "generate", "text_fields": ["messages"], "source": split_files}
+    (tmp_path / "talk.yaml").write_text(yaml.safe_dump(task))
+    common = ["--tasks", str(tmp_path / "talk.yaml"), "--methods", "capt", "--epochs", "1", *QUICK[:-2]]
+    assert main(["sweep", *common, "--lr-grid", "capt=0.05", "--output-dir", str(tmp_path / "sweep")]) == 0
+    [[zero_shot]] = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["references"]
+    assert zero_shot["method"] == "zero-shot" and "majority" not in (tmp_path / "sweep" / "sweep.md").read_text()
+    backbone = load_backbone("tiny-llama")
+    fmt = ChatFormat("talk", backbone.tokenizer, 96, metric="loss")  # the task's first metric, its default
+    frozen = fmt.evaluate(backbone.model, [fmt.encode(_example(row)) for row in rows[25:]], batch_size=8)
+    assert zero_shot["test"] == pytest.approx(frozen)  # loss, perplexity, exact match, token F1, score
+    assert main(["compare", *common, "--lr", "0.05", "--output-dir", str(tmp_path / "compare")]) == 0
+    table = (tmp_path / "compare" / "comparison.md").read_text().splitlines()
+    assert table[0].startswith("| method | talk |") and table[2].startswith("| capt |")
+
+
 @pytest.mark.parametrize(
     ("flags", "backbone"),
     [(["--model", "minilm"], "an encoder model"), (["--model", "tiny-t5"], "an encoder-decoder model")],

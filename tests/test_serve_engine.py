@@ -86,6 +86,37 @@ def test_rows_that_join_a_running_batch_get_what_they_get_alone(bank):
     assert decode_together(model, tokenizer, ROWS, join_at=[0, 0, 3, 6]) == alone
 
 
+def test_a_row_ends_at_an_end_of_turn_token_that_only_the_generation_config_names(bank):
+    """Instruct models (Gemma-3-it) list their end-of-turn token in generation_config.eos_token_id, not as the
+    tokenizer's EOS: a served answer stops there, as `generate` does, instead of running on to max_tokens."""
+    model, tokenizer = bank
+    ids = prompt_ids(tokenizer, PROMPTS[0])
+    model.set_adapter("a")
+
+    def greedy() -> list[int]:
+        out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        return out[0, len(ids) :].tolist()
+
+    tokens = greedy()
+    end_of_turn = tokens[3]  # stands in for <end_of_turn>: the fourth token greedy decoding writes
+    config = model.base_model.generation_config
+    saved = config.eos_token_id  # an int: tiny-llama's tokenizer (MiniLM's) has no EOS of its own
+    assert end_of_turn != saved and end_of_turn not in tokens[:3]
+    config.eos_token_id = [saved, end_of_turn]
+    try:
+        events: list[dict] = []
+        batch = DecodeBatch(model, tokenizer, model.num_slots)
+        batch.join([Completion("a", ids, NEW_TOKENS, 0.0, 1.0, None, [], events.append)])
+        while batch.rows:
+            batch.step()
+        stopped = greedy()
+    finally:
+        config.eos_token_id = saved
+    assert events[-1] == {"done": "stop", "tokens": 3}
+    assert "".join(e.get("text", "") for e in events) == tokenizer.decode(tokens[:3], skip_special_tokens=True)
+    assert stopped == tokens[:4]  # generate stops there too, after writing it
+
+
 def test_unloading_an_adapter_mid_decode_fails_its_rows_only(bank, tmp_path):
     model, tokenizer = bank
     alone = generate_alone(model, tokenizer, "a", PROMPTS[0])

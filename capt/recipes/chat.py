@@ -85,6 +85,24 @@ def end_of_text_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return token
 
 
+def answer_stop_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Tokens that end a generated answer, sorted: the tokenizer's end of text and every EOS id of the model's
+    generation config. Instruct models list their end-of-turn token only there (Gemma-3-it: `<eos>` and
+    `<end_of_turn>`), so stopping at the tokenizer's EOS alone would run on to `max_tokens`.
+
+    Example:
+        >>> from capt.recipes.backbones import load_backbone
+        >>> backbone = load_backbone("tiny-llama")  # its end of text: [SEP], 102
+        >>> backbone.model.generation_config.eos_token_id = [102, 7]  # 7 standing in for an end-of-turn token
+        >>> answer_stop_ids(backbone.model, backbone.tokenizer)
+        [7, 102]
+    """
+    stops = {end_of_text_id(tokenizer)}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    stops.update([configured] if isinstance(configured, int) else configured or [])
+    return sorted(stops)
+
+
 def check_messages(messages: Any, where: str) -> list[dict[str, str]]:
     """`messages` as a list of {"role", "content"} dicts of strings; a ChatDataError naming `where` otherwise."""
     if not isinstance(messages, list) or not messages:
@@ -351,11 +369,8 @@ class ChatFormat(TaskFormat):
         raise TypeError("a generate task has no options to score: use ChatFormat.predict or ChatFormat.evaluate")
 
     def stop_ids(self, model: nn.Module) -> list[int]:
-        """Tokens that end an answer: the tokenizer's end of text and the model's own EOS ids."""
-        stops = {end_of_text_id(self.tokenizer)}
-        configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        stops.update([configured] if isinstance(configured, int) else configured or [])
-        return sorted(stops)
+        """Tokens that end an answer (`answer_stop_ids`)."""
+        return answer_stop_ids(model, self.tokenizer)
 
     @torch.no_grad()
     def predict(self, model: nn.Module, batch: dict[str, Any]) -> list[str]:

@@ -543,9 +543,11 @@ def reference_results(config: RunConfig) -> list[dict[str, Any]]:
     likelihoods; an encoder's head is untrained, so its row is chance). Its "top_prediction" names the label it
     predicts most and the share of test examples that get it: a share of 1.0 means a constant predictor.
     majority: the most frequent training label for every test example (label tasks only).
+    A generate task has the zero-shot row alone, scored as its runs are (`evaluate`: loss, perplexity, answers).
     """
     from .backbones import load_backbone
-    from .evaluate import encode_cached, load_splits, predict, score_predictions
+    from .chat import ChatFormat
+    from .evaluate import encode_cached, evaluate, load_splits, predict, score_predictions
     from .formats import NO_OPTION, head_outputs, make_format
     from .tasks import get_task
 
@@ -560,7 +562,11 @@ def reference_results(config: RunConfig) -> list[dict[str, Any]]:
         prompt_bos=config.prompt_bos,
     )
     test = splits["test"]
-    predictions = predict(backbone.model, fmt, encode_cached(fmt, test, config), config.eval_batch_size)
+    features = encode_cached(fmt, test, config)
+    if isinstance(fmt, ChatFormat):  # answers are texts: no label to count or vote
+        scores = evaluate(backbone.model, fmt, features, test, config.eval_batch_size)
+        return [{"task": config.task, "method": "zero-shot", "test": scores}]
+    predictions = predict(backbone.model, fmt, features, config.eval_batch_size)
     zero_shot = {"task": config.task, "method": "zero-shot", "test": score_predictions(config.task, predictions, test)}
     spec = get_task(config.task)
     if spec.options_field:  # a prediction indexes the example's own options (ReCoRD): no label to count or vote

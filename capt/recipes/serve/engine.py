@@ -26,6 +26,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ...model import CaptModel
+from ..chat import answer_stop_ids
 from ..data import Example
 from ..formats import TaskFormat, make_format
 from ..predict import Scored, score_examples
@@ -375,7 +376,7 @@ class DecodeBatch:
     def __init__(self, model: CaptModel, tokenizer, num_slots: int):
         self.model, self.tokenizer, self.num_slots = model, tokenizer, num_slots
         self.device = next(model.parameters()).device
-        self.eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else model.config.eos_token_id
+        self.stop_ids = frozenset(answer_stop_ids(model, tokenizer))  # as `generate` and `capt predict` stop
         forward = inspect.signature(type(model.base_model).forward).parameters
         self.cache_key = "cache" if "cache" in forward else "past_key_values"  # transformers 5 renamed it
         # The prefill needs the last position's logits only; the LM head over the whole prompt is wasted work.
@@ -484,7 +485,7 @@ class DecodeBatch:
         """`row`'s next token, its new text sent; None where the row has finished."""
         job, token = row.job, _choose(logits, row.job, row.generator)
         finish = None
-        if token == self.eos:
+        if token in self.stop_ids:
             finish = "stop"
         else:
             row.tokens.append(token)
