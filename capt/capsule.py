@@ -51,6 +51,11 @@ class LowRankProjector(nn.Module):
         return self.up(self.down(mean.to(self.down.weight.dtype)))
 
 
+# The eps of `mean_norm="rms"` on a backbone without an RMSNorm of its own (BERT, GPT-2; T5's is named otherwise):
+# T5's RMS layer norm default, far below any hidden state's mean square, so it only guards a zero vector.
+FALLBACK_NORM_EPS = 1e-6
+
+
 def rms_normalise(hidden: torch.Tensor, eps: float) -> torch.Tensor:
     """Each token at unit scale: x / sqrt(mean(x^2) + eps), a weightless RMSNorm, computed in float32 as the
     backbones' own RMSNorms do (a bf16 square of a massive activation loses most of its digits).
@@ -73,7 +78,9 @@ class Capsules(nn.Module):
     the convolution or projection that turns the layer input into the instance summary (one shared by all layers,
     or one per layer: `CaptConfig.share_instance_module`)."""
 
-    def __init__(self, config: CaptConfig, num_layers: int, hidden: int, device=None, norm_eps: float = 1e-6):
+    def __init__(
+        self, config: CaptConfig, num_layers: int, hidden: int, device=None, norm_eps: float = FALLBACK_NORM_EPS
+    ):
         super().__init__()
         self.config = config
         self.num_layers = num_layers

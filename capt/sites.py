@@ -21,6 +21,7 @@ from transformers.models.auto.modeling_auto import (
     MODEL_MAPPING_NAMES,
 )
 
+from .capsule import FALLBACK_NORM_EPS
 from .config import CaptConfig
 
 
@@ -123,10 +124,9 @@ def hidden_size(model: PreTrainedModel) -> int:
 
 def rms_norm_eps(model: PreTrainedModel) -> float:
     """The eps of the backbone's own RMSNorm (Llama, Gemma, Qwen, Mistral: `rms_norm_eps`), so that
-    `mean_norm="rms"` scales tokens exactly as the model's norms do; 1e-6 for other models, T5's RMS layer norm's
-    default (`layer_norm_epsilon` there), small against any hidden state's mean square."""
+    `mean_norm="rms"` scales tokens exactly as the model's norms do; `FALLBACK_NORM_EPS` (1e-6) for other models."""
     eps = getattr(model.config.get_text_config(), "rms_norm_eps", None)
-    return float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else 1e-6
+    return float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else FALLBACK_NORM_EPS
 
 
 def _expected_layer_count(model: PreTrainedModel, role: str, family: str) -> int | None:

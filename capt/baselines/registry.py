@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..capsule import Capsules
+from ..capsule import FALLBACK_NORM_EPS, Capsules
 from .dept import DePTPrompt
 from .idpg import IDPGPrompt
 from .lopa import LoPAPrompt
@@ -30,7 +30,9 @@ def build_prompt_module(method: str, options: dict, num_layers: int, hidden: int
     return PROMPT_MODULES[method](make_options(method, options), num_layers, hidden, device=device)
 
 
-def build_slot_module(config, num_layers: int, hidden: int, device=None, norm_eps: float = 1e-6) -> nn.Module:
+def build_slot_module(
+    config, num_layers: int, hidden: int, device=None, norm_eps: float = FALLBACK_NORM_EPS
+) -> nn.Module:
     """The slot module of a `CaptConfig`: the prompt module of `config.prompt_method`, else the capsules (`norm_eps`:
     the backbone's RMSNorm eps, for `mean_norm="rms"`)."""
     if config.prompt_method is not None:
