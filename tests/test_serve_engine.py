@@ -117,6 +117,18 @@ def test_a_row_ends_at_an_end_of_turn_token_that_only_the_generation_config_name
     assert stopped == tokens[:4]  # generate stops there too, after writing it
 
 
+def test_a_tokenizer_without_an_end_token_stops_at_the_generation_configs_ids(bank):
+    """Neither EOS nor [SEP] in the tokenizer: the decode loop still starts (serve builds one at startup) and
+    stops where `generate` would, at the generation config's EOS."""
+    import copy
+
+    model, tokenizer = bank
+    bare = copy.deepcopy(tokenizer)
+    bare.sep_token = None
+    assert bare.eos_token_id is None and bare.sep_token_id is None
+    assert DecodeBatch(model, bare, model.num_slots).stop_ids == {model.base_model.generation_config.eos_token_id}
+
+
 def test_unloading_an_adapter_mid_decode_fails_its_rows_only(bank, tmp_path):
     model, tokenizer = bank
     alone = generate_alone(model, tokenizer, "a", PROMPTS[0])

@@ -86,9 +86,10 @@ def end_of_text_id(tokenizer: PreTrainedTokenizerBase) -> int:
 
 
 def answer_stop_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """Tokens that end a generated answer, sorted: the tokenizer's end of text and every EOS id of the model's
-    generation config. Instruct models list their end-of-turn token only there (Gemma-3-it: `<eos>` and
-    `<end_of_turn>`), so stopping at the tokenizer's EOS alone would run on to `max_tokens`.
+    """Tokens that end a generated answer, sorted: the tokenizer's end of text (`end_of_text_id`, where it has
+    one) and every EOS id of the model's generation config. Instruct models list their end-of-turn token only
+    there (Gemma-3-it: `<eos>` and `<end_of_turn>`), so stopping at the tokenizer's EOS alone would run on to
+    `max_tokens`.
 
     Example:
         >>> from capt.recipes.backbones import load_backbone
@@ -97,9 +98,10 @@ def answer_stop_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> lis
         >>> answer_stop_ids(backbone.model, backbone.tokenizer)
         [7, 102]
     """
-    stops = {end_of_text_id(tokenizer)}
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    stops.update([configured] if isinstance(configured, int) else configured or [])
+    stops = set([configured] if isinstance(configured, int) else configured or [])
+    if tokenizer.eos_token_id is not None or tokenizer.sep_token_id is not None:  # else only the config's ids stop
+        stops.add(end_of_text_id(tokenizer))
     return sorted(stops)
 
 
