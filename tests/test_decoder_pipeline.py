@@ -487,7 +487,7 @@ def test_zero_shot_answers_that_match_no_label_are_counted_as_none(tmp_path):
 
 
 @pytest.mark.parametrize("padding_side", ["left", "right"])
-@pytest.mark.parametrize("method", ["capt", "deep-prompt", "lora", "head"])  # not prompt: PEFT drops position ids
+@pytest.mark.parametrize("method", ["capt", "deep-prompt", "ptv2", "lora", "head"])  # not prompt: PEFT drops positions
 def test_decoder_classifier_reads_the_last_real_token_whatever_the_padding(method, padding_side):
     backbone = load_backbone("tiny-llama", num_labels=3, decoder_head="classifier")
     assert type(backbone.model).__name__ == "LlamaForSequenceClassification"
@@ -502,6 +502,35 @@ def test_decoder_classifier_reads_the_last_real_token_whatever_the_padding(metho
         batched = model(**fmt.collate(features)["model_inputs"]).logits
         alone = torch.cat([model(**fmt.collate([f])["model_inputs"]).logits for f in features])
     torch.testing.assert_close(batched, alone, atol=1e-5, rtol=0)
+
+
+def test_prefix_tuning_of_a_decoder_classifier_equals_pefts_causal_lm_prefix_through_the_score_head():
+    """PEFT's own sequence-classification path refuses these decoders (their forward names the cache `cache`); the
+    classifier must read the same last hidden state as PEFT's causal-LM prefix tuning of the same trunk and prefix."""
+    import peft
+
+    classifier = load_backbone("tiny-llama", num_labels=3, decoder_head="classifier")
+    fmt = make_format(classifier.family, "cb", classifier.tokenizer, 96, decoder_head="classifier")
+    model = apply_method(classifier, "ptv2").eval()
+    _trained_looking(model)
+    language_model = load_backbone("tiny-llama").model
+    language_model.model.load_state_dict(classifier.model.model.state_dict())
+    prefix = peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=20)
+    reference = peft.get_peft_model(language_model, prefix)
+    reference.prompt_encoder.load_state_dict(model.prompt_encoder.state_dict())
+    inputs = fmt.collate([fmt.encode(ex) for ex in paper_splits("cb", DATA)["train"][:4]])["model_inputs"]
+    with torch.no_grad():
+        logits = model(**inputs).logits
+        last_hidden = reference.eval()(**inputs, output_hidden_states=True).hidden_states[-1][:, -1]
+        unprefixed = classifier.model.model(**inputs).last_hidden_state[:, -1]  # the prefix must matter
+    score = model.base_model.score.modules_to_save.default
+    torch.testing.assert_close(logits, score(last_hidden), atol=1e-5, rtol=0)
+    assert not torch.allclose(logits, score(unprefixed), atol=1e-3)
+
+
+def test_prefix_tuning_of_an_encoder_is_refused_since_its_attention_never_reads_the_prefix():
+    with pytest.raises(ValueError, match="'ptv2'.*never reads"):
+        apply_method(load_backbone("minilm", num_labels=3), "ptv2")
 
 
 def test_decoder_classifier_trains_end_to_end_and_copa_is_multiple_choice(tmp_path, monkeypatch):

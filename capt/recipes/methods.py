@@ -17,6 +17,9 @@ The baselines are built as their papers define them:
 
 from __future__ import annotations
 
+import inspect
+
+import peft
 from torch import nn
 
 from ..baselines.adapter import add_adapters, train_layer_norms
@@ -64,8 +67,14 @@ def apply_method(backbone: Backbone, method: str, options: MethodOptions | None 
     if method == "adapter":
         return _with_adapters(base, options)
     if method in PEFT_METHODS:
-        import peft
-
+        if method == "ptv2" and backbone.family == "encoder":
+            raise ValueError(
+                f"method 'ptv2' (prefix tuning) puts its prefix in the attention's key/value cache, which "
+                f"{type(base).__name__} never reads (transformers' encoders drop the cache), so the prefix would "
+                "learn nothing: use a decoder (--decoder-head lm or classifier) or another method"
+            )
+        if method == "ptv2" and _classifier_name(base):
+            return _DecoderClassifierPrefixTuning(base, peft_config(method, "encoder", options))
         family = "encoder" if _classifier_name(base) else backbone.family  # a decoder with a score head: SEQ_CLS
         return peft.get_peft_model(base, peft_config(method, family, options))
     if method == "head":
@@ -95,8 +104,6 @@ def capt_config(method: str, options: MethodOptions) -> CaptConfig:
 
 def peft_config(method: str, family: str, options: MethodOptions):
     """The `peft` config of a PEFT baseline on a backbone family."""
-    import peft
-
     task_type = _PEFT_TASK_TYPES[family]
     if method == "prompt":
         encoder_only = {"num_transformer_submodules": 1} if family == "encoder-decoder" else {}
@@ -131,6 +138,23 @@ def _with_adapters(base: nn.Module, options: MethodOptions) -> nn.Module:
     if head is not None:
         base.get_submodule(head).requires_grad_(True)
     return base
+
+
+class _DecoderClassifierPrefixTuning(peft.PeftModelForSequenceClassification):
+    """PEFT's prefix tuning of a sequence classifier, for decoders (`LlamaForSequenceClassification`, ...) on
+    transformers 5.24+, whose forward names the key/value cache `cache`.
+
+    PEFT hands the prefix over only to a forward that declares `past_key_values` and otherwise raises "Model does not
+    support past key values"; these forwards still take that keyword (deprecated into `cache`), so the prefix goes
+    in under the name the forward declares. Everything else (the prefix's attention mask, the head) is PEFT's.
+    """
+
+    def _prefix_tuning_forward(self, input_ids=None, inputs_embeds=None, **kwargs):
+        batch_size = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+        parameters = inspect.signature(self.base_model.forward).parameters
+        cache_name = "cache" if "cache" in parameters else "past_key_values"
+        kwargs[cache_name] = self.get_prompt(batch_size)
+        return self.base_model(input_ids=input_ids, inputs_embeds=inputs_embeds, **kwargs)
 
 
 def _classifier_name(model: nn.Module) -> str | None:
