@@ -79,10 +79,14 @@ def leading_special_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
 
 def end_of_text_id(tokenizer: PreTrainedTokenizerBase) -> int:
     """The token a plain-text completion ends with: EOS, or [SEP] for BERT-style tokenizers that have no EOS."""
-    token = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    token = _tokenizer_end_id(tokenizer)
     if token is None:
         raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has neither an eos_token nor a sep_token to end text")
     return token
+
+
+def _tokenizer_end_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    return tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
 
 
 def answer_stop_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -100,8 +104,9 @@ def answer_stop_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> lis
     """
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     stops = set([configured] if isinstance(configured, int) else configured or [])
-    if tokenizer.eos_token_id is not None or tokenizer.sep_token_id is not None:  # else only the config's ids stop
-        stops.add(end_of_text_id(tokenizer))
+    tokenizer_end = _tokenizer_end_id(tokenizer)
+    if tokenizer_end is not None:  # else only the config's ids stop
+        stops.add(tokenizer_end)
     return sorted(stops)
 
 

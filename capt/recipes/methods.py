@@ -17,6 +17,7 @@ The baselines are built as their papers define them:
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import peft
@@ -73,10 +74,11 @@ def apply_method(backbone: Backbone, method: str, options: MethodOptions | None 
                 f"{type(base).__name__} never reads (transformers' encoders drop the cache), so the prefix would "
                 "learn nothing: use a decoder (--decoder-head lm or classifier) or another method"
             )
-        if method == "ptv2" and _classifier_name(base):
-            return _DecoderClassifierPrefixTuning(base, peft_config(method, "encoder", options))
-        family = "encoder" if _classifier_name(base) else backbone.family  # a decoder with a score head: SEQ_CLS
-        return peft.get_peft_model(base, peft_config(method, family, options))
+        classifier = _classifier_name(base) is not None  # a decoder with a score head trains as SEQ_CLS too
+        config = peft_config(method, "encoder" if classifier else backbone.family, options)
+        if method == "ptv2" and classifier:  # a decoder classifier: encoders were refused above
+            return _DecoderClassifierPrefixTuning(base, config)
+        return peft.get_peft_model(base, config)
     if method == "head":
         head = _classifier_name(base)
         if head is None:
@@ -149,11 +151,14 @@ class _DecoderClassifierPrefixTuning(peft.PeftModelForSequenceClassification):
     in under the name the forward declares. Everything else (the prefix's attention mask, the head) is PEFT's.
     """
 
+    @functools.cached_property
+    def _cache_keyword(self) -> str:
+        """`cache` on transformers 5.24+, `past_key_values` before: looked up once, not at every step."""
+        return "cache" if "cache" in inspect.signature(self.base_model.forward).parameters else "past_key_values"
+
     def _prefix_tuning_forward(self, input_ids=None, inputs_embeds=None, **kwargs):
         batch_size = (input_ids if input_ids is not None else inputs_embeds).shape[0]
-        parameters = inspect.signature(self.base_model.forward).parameters
-        cache_name = "cache" if "cache" in parameters else "past_key_values"
-        kwargs[cache_name] = self.get_prompt(batch_size)
+        kwargs[self._cache_keyword] = self.get_prompt(batch_size)
         return self.base_model(input_ids=input_ids, inputs_embeds=inputs_embeds, **kwargs)
 
 
