@@ -1,6 +1,7 @@
 """Time of a CaPT training step on chat data against the frozen model's own forward and backward.
 
-    capt bench chat --model smollm2 --batch-size 8 --repeats 20 --out benchmarks/results/chat-step.json
+    capt bench chat --model smollm2 --batch-size 8 --batches 4 --repeats 20 --data-dir ../shared/data/superglue \
+        --out benchmarks/results/chat-step.json
 
 The rows are chat data as a user would bring it, built from SuperGLUE RTE's validation split: the premise and the
 question as the user's turn, "True" or "False" as the assistant's. `ChatFormat` writes them with the model's own
