@@ -325,6 +325,33 @@ def test_sweep_finished_only_tabulates_what_exists_and_trains_nothing(tmp_path, 
     assert not (tmp_path / "study" / "cb" / "lora" / "results.json").exists()  # nor summarises an unfinished cell
 
 
+def test_sweep_averages_only_the_tasks_whose_cells_are_all_finished(tmp_path, monkeypatch):
+    """The committed CB and COPA CaPT cells, with RTE's not run: the average row is CB's and COPA's, as before RTE
+    was planned, and the line under the table says RTE is left out."""
+    from capt.recipes import experiments
+    from capt.recipes.cli import main
+
+    study = Path(__file__).resolve().parents[1] / "results" / "smollm2-study"
+    scores = {}
+    for task in ("cb", "copa"):
+        text = (study / task / "capt" / "results.json").read_text()
+        scores[task] = json.loads(text)["score"]["mean"]
+        copy = tmp_path / "study" / task / "capt" / "results.json"
+        copy.parent.mkdir(parents=True)
+        copy.write_text(text)
+
+    def no_training(config, resume=False):
+        raise AssertionError(f"{config.output_dir} was trained")
+
+    monkeypatch.setattr(experiments, "train", no_training)
+    argv = ["sweep", "--tasks", "cb,copa,rte", "--methods", "capt", "--finished-only", "--no-references"]
+    assert main([*argv, "--seeds", "3", "--model", "smollm2", "--output-dir", str(tmp_path / "study")]) == 0
+    table = (tmp_path / "study" / "sweep.md").read_text()
+    average = 100 * (scores["cb"] + scores["copa"]) / 2
+    assert f"| average | capt | - | - | - | {average:.1f} |" in table
+    assert "The averages are over cb, copa; rte not finished." in table
+
+
 def test_cell_progress_counts_runs_beyond_the_grid_and_names_the_extensions_still_possible(tmp_path):
     from capt.recipes.experiments import cell_progress
 
@@ -437,6 +464,14 @@ def test_sweep_table_gives_parameters_and_the_average_of_methods_with_every_task
     assert "| average | lora |" not in table  # no COPA cell: no average
     rows = [line for line in table.splitlines() if line.startswith("|")]
     assert all(line.count("|") == 12 for line in rows)  # every row has the header's 11 columns
+    # A third task still running (only its reference rows exist): averaging over every task would drop CaPT's row;
+    # averaged over the finished tasks it stays as it was, and the line under the table says what is left out.
+    started = sweep_table(cells, references, ["cb", "copa", "multirc"])
+    assert "| average |" not in started
+    finished = sweep_table(cells, references, ["cb", "copa", "multirc"], average_tasks=["cb", "copa"])
+    assert "| average | capt | - | - | - | 60.0 | - | - | 200 s | 1.00x | - |" in finished
+    assert "\nThe averages are over cb, copa; multirc not finished.\n" in finished
+    assert "The averages are over" not in table  # nothing left out: no line
 
 
 def test_versus_capt_gives_no_p_without_seed_noise():

@@ -277,7 +277,10 @@ def sweep(
         cells = [_sweep_cell(c, root, grid, seeds, overwrite, extend) for c, grid in zip(configs, grids, strict=True)]
     tasks = list(dict.fromkeys(c.task for c in configs))
     reference_rows = [reference_results(c) for c in {c.task: c for c in configs}.values()] if references else []
-    table = sweep_table(cells, [row for rows in reference_rows for row in rows], tasks)
+    # A task still being run stays out of the averages, so they keep meaning the same tasks until it is finished.
+    unfinished = {c.task for c, path in zip(configs, done, strict=True) if not path.exists()}
+    finished_tasks = [task for task in tasks if task not in unfinished]
+    table = sweep_table(cells, [row for rows in reference_rows for row in rows], tasks, finished_tasks)
     progress = [
         cell_progress(root / c.task / c.method, grid, seeds, extend)
         for c, grid, path in zip(configs, grids, done, strict=True)
@@ -583,13 +586,19 @@ def reference_results(config: RunConfig) -> list[dict[str, Any]]:
     return rows
 
 
-def sweep_table(cells: list[dict[str, Any]], references: list[dict[str, Any]], tasks: list[str]) -> str:
+def sweep_table(
+    cells: list[dict[str, Any]],
+    references: list[dict[str, Any]],
+    tasks: list[str],
+    average_tasks: list[str] | None = None,
+) -> str:
     """Markdown: per task and method the trainable parameters, the chosen lr, every rate's validation score, test
     mean ± std over seeds, epochs and time to the best validation score, that time relative to CaPT's (the
     paper's Table 2), and the test score's difference from CaPT's with its Welch p (`versus_capt`). With several
-    tasks, an `average` row per method that has every task: the mean of its task scores and of its times to best.
-    Below the table, the zero-shot model's most frequent answer per task and its share of the test set (100%: the
-    row is a constant predictor's score)."""
+    `average_tasks` (default: all `tasks`; `sweep` passes the tasks whose cells are all finished), an `average` row
+    per method that has every one of them: the mean of its task scores and of its times to best; a line below the
+    table names the tasks the averages leave out. Below it, the zero-shot model's most frequent answer per task and
+    its share of the test set (100%: the row is a constant predictor's score)."""
     lines = [
         "| task | method | trainable | chosen lr | validation by lr | test score | seeds | epochs to best "
         "| time to best | x capt | vs capt (Welch p) |",
@@ -610,8 +619,12 @@ def sweep_table(cells: list[dict[str, Any]], references: list[dict[str, Any]], t
         for r in (r for r in references if r["task"] == task):
             score = f"{100 * r['test']['score']:.1f}"
             lines.append(f"| {task} | {r['method']} | 0 | - | - | {score} | - | 0 | - | - | - |")
-    if len(tasks) > 1:
-        lines += _average_rows(cells, tasks)
+    average_tasks = tasks if average_tasks is None else average_tasks
+    if len(average_tasks) > 1:
+        lines += _average_rows(cells, average_tasks)
+        left_out = [task for task in tasks if task not in average_tasks]
+        if left_out:
+            lines += ["", f"The averages are over {', '.join(average_tasks)}; {', '.join(left_out)} not finished."]
     tops = [r for r in references if "top_prediction" in r]
     if tops:
         shares = ", ".join(
