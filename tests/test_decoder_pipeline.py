@@ -181,15 +181,35 @@ def test_sweep_picks_the_rate_by_validation_trains_the_seeds_and_resumes(tmp_pat
     assert "holds a finished run with other settings: epochs 1 -> 2" in err and "--overwrite" in err
 
 
+@pytest.fixture
+def training_forbidden(monkeypatch):
+    """The sweep under test must read every run back: training one fails the test, naming its folder."""
+    from capt.recipes import experiments
+
+    def no_training(config, resume=False):
+        raise AssertionError(f"trained {config.output_dir} (it should have been read back)")
+
+    monkeypatch.setattr(experiments, "train", no_training)
+
+
+def _copy_files(files, source: Path, target: Path) -> None:
+    """Each of `files` (paths under `source`) copied to the same place under `target`."""
+    for path in files:
+        copy = target / path.relative_to(source)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_bytes(path.read_bytes())
+
+
 @pytest.mark.parametrize(
     ("study", "task", "flags"), [("smollm2-study-bf16", "cb", ["--bf16"]), ("smollm2-study", "copa", [])]
 )
-def test_the_committed_smollm2_study_is_read_back_not_retrained(study, task, flags, tmp_path, monkeypatch):
+def test_the_committed_smollm2_study_is_read_back_not_retrained(
+    study, task, flags, tmp_path, monkeypatch, training_forbidden
+):
     """The study command over a copy of the committed bf16 CB and float32 COPA cells, with the grid each cell
     records and the settings from the config's `per_task` section (COPA's max length 32) and `per_method` section
     (head-only and full fine-tuning read through the classification head), reads every run back and rewrites the
     same cells."""
-    from capt.recipes import experiments
     from capt.recipes.cli import main
 
     repo = Path(__file__).resolve().parents[1]
@@ -197,20 +217,12 @@ def test_the_committed_smollm2_study_is_read_back_not_retrained(study, task, fla
     cells = {}
     for done in sorted((repo / study / task).glob("*/results.json")):
         cells[done.parent.name] = done.read_text()
-        for stored in done.parent.rglob("*.json*"):  # results, run_config, metrics.jsonl
-            copy = tmp_path / stored.relative_to(repo)
-            copy.parent.mkdir(parents=True, exist_ok=True)
-            copy.write_bytes(stored.read_bytes())
+        _copy_files(done.parent.rglob("*.json*"), repo, tmp_path)  # results, run_config, metrics.jsonl
     assert {"capt", "deep-prompt"} <= set(cells) and (
         study.name == "smollm2-study-bf16" or {"head", "full"} <= set(cells)
     )
     # Each rate as a user types it from the table (6 digits: 0.00333333 for the run trained at 0.01 / 3).
     grids = ";".join(f"{m}=" + ",".join(f"{p['lr']:g}" for p in json.loads(c)["grid"]) for m, c in cells.items())
-
-    def no_training(config, resume=False):
-        raise AssertionError(f"{config.output_dir} was trained again")
-
-    monkeypatch.setattr(experiments, "train", no_training)
     monkeypatch.setenv("HOME", str(tmp_path))  # another cache_dir than the study's: it cannot change a result
     monkeypatch.chdir(tmp_path)
     argv = ["sweep", "--config", str(repo / "configs" / "smollm2-study.yaml"), "--tasks", task, "--lr-grid", grids]
@@ -235,24 +247,15 @@ def test_the_study_plan_holds_every_committed_cell():
     assert committed <= {(task, method) for task, methods in plan.items() for method in methods}
 
 
-def test_sweep_extends_a_grid_whose_best_rate_is_at_its_end(tmp_path, monkeypatch, capsys):
+def test_sweep_extends_a_grid_whose_best_rate_is_at_its_end(tmp_path, monkeypatch, capsys, training_forbidden):
     """On a copy of the committed bf16 CB CaPT cell (validation 0.0033: 46.5, 0.01: 53.5, 0.03: 64.4, 0.1: 61.0):
     the grid 0.0033, 0.01 is won by its top, so 0.03 (its ratio, 3x) is added and read back; 0.03 wins again at the
     new top, so a second extension asks for 0.09, which no run holds."""
-    from capt.recipes import experiments
     from capt.recipes.cli import main
 
     repo = Path(__file__).resolve().parents[1]
     study = Path("results") / "smollm2-study-bf16"
-    for stored in (repo / study / "cb" / "capt").rglob("*.json*"):
-        copy = tmp_path / stored.relative_to(repo)
-        copy.parent.mkdir(parents=True, exist_ok=True)
-        copy.write_bytes(stored.read_bytes())
-
-    def no_training(config, resume=False):
-        raise AssertionError(f"trained {config.output_dir}")
-
-    monkeypatch.setattr(experiments, "train", no_training)
+    _copy_files((repo / study / "cb" / "capt").rglob("*.json*"), repo, tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.chdir(tmp_path)
     argv = ["sweep", "--config", str(repo / "configs" / "smollm2-study.yaml"), "--tasks", "cb", "--methods", "capt"]
@@ -288,8 +291,7 @@ def test_a_grid_point_folder_names_its_rate_to_six_significant_digits_and_reads_
     assert grid_point_name(grid_point_rate(grid_point_name(0.01 / 3))) == grid_point_name(0.01 / 3)
 
 
-def test_sweep_finished_only_tabulates_what_exists_and_trains_nothing(tmp_path, monkeypatch):
-    from capt.recipes import experiments
+def test_sweep_finished_only_tabulates_what_exists_and_trains_nothing(tmp_path, training_forbidden):
     from capt.recipes.cli import main
 
     repo = Path(__file__).resolve().parents[1]
@@ -297,16 +299,8 @@ def test_sweep_finished_only_tabulates_what_exists_and_trains_nothing(tmp_path, 
     # Two finished cells, and the unfinished LoRA cell's two finished grid points (of three).
     finished = [Path("cb", method, "results.json") for method in ("capt", "deep-prompt")]
     finished += [path.relative_to(archive) for path in (archive / "cb" / "lora").glob("grid/*/results.json")]
-    for path in finished:
-        copy = tmp_path / "study" / path
-        copy.parent.mkdir(parents=True)
-        copy.write_bytes((archive / path).read_bytes())
+    _copy_files([archive / path for path in finished], archive, tmp_path / "study")
     lora_minutes = [json.loads((archive / p).read_text())["wall_time_s"] / 60 for p in finished[2:]]
-
-    def no_training(config, resume=False):
-        raise AssertionError(f"{config.output_dir} was trained")
-
-    monkeypatch.setattr(experiments, "train", no_training)
     argv = ["sweep", "--tasks", "cb,copa", "--methods", "capt,deep-prompt,lora", "--finished-only", "--no-references"]
     assert main([*argv, "--seeds", "3", "--model", "smollm2", "--output-dir", str(tmp_path / "study")]) == 0
     table = (tmp_path / "study" / "sweep.md").read_text()
@@ -325,25 +319,15 @@ def test_sweep_finished_only_tabulates_what_exists_and_trains_nothing(tmp_path, 
     assert not (tmp_path / "study" / "cb" / "lora" / "results.json").exists()  # nor summarises an unfinished cell
 
 
-def test_sweep_averages_only_the_tasks_whose_cells_are_all_finished(tmp_path, monkeypatch):
+def test_sweep_averages_only_the_tasks_whose_cells_are_all_finished(tmp_path, training_forbidden):
     """The committed CB and COPA CaPT cells, with RTE's not run: the average row is CB's and COPA's, as before RTE
     was planned, and the line under the table says RTE is left out."""
-    from capt.recipes import experiments
     from capt.recipes.cli import main
 
     study = Path(__file__).resolve().parents[1] / "results" / "smollm2-study"
-    scores = {}
-    for task in ("cb", "copa"):
-        text = (study / task / "capt" / "results.json").read_text()
-        scores[task] = json.loads(text)["score"]["mean"]
-        copy = tmp_path / "study" / task / "capt" / "results.json"
-        copy.parent.mkdir(parents=True)
-        copy.write_text(text)
-
-    def no_training(config, resume=False):
-        raise AssertionError(f"{config.output_dir} was trained")
-
-    monkeypatch.setattr(experiments, "train", no_training)
+    cells = {task: study / task / "capt" / "results.json" for task in ("cb", "copa")}
+    _copy_files(cells.values(), study, tmp_path / "study")
+    scores = {task: json.loads(path.read_text())["score"]["mean"] for task, path in cells.items()}
     argv = ["sweep", "--tasks", "cb,copa,rte", "--methods", "capt", "--finished-only", "--no-references"]
     assert main([*argv, "--seeds", "3", "--model", "smollm2", "--output-dir", str(tmp_path / "study")]) == 0
     table = (tmp_path / "study" / "sweep.md").read_text()

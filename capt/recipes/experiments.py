@@ -277,15 +277,12 @@ def sweep(
         cells = [_sweep_cell(c, root, grid, seeds, overwrite, extend) for c, grid in zip(configs, grids, strict=True)]
     tasks = list(dict.fromkeys(c.task for c in configs))
     reference_rows = [reference_results(c) for c in {c.task: c for c in configs}.values()] if references else []
+    unfinished = [(c, grid) for c, grid, path in zip(configs, grids, done, strict=True) if not path.exists()]
     # A task still being run stays out of the averages, so they keep meaning the same tasks until it is finished.
-    unfinished = {c.task for c, path in zip(configs, done, strict=True) if not path.exists()}
-    finished_tasks = [task for task in tasks if task not in unfinished]
+    unfinished_tasks = {c.task for c, _ in unfinished}
+    finished_tasks = [task for task in tasks if task not in unfinished_tasks]
     table = sweep_table(cells, [row for rows in reference_rows for row in rows], tasks, finished_tasks)
-    progress = [
-        cell_progress(root / c.task / c.method, grid, seeds, extend)
-        for c, grid, path in zip(configs, grids, done, strict=True)
-        if not path.exists()
-    ]
+    progress = [cell_progress(root / c.task / c.method, grid, seeds, extend) for c, grid in unfinished]
     if progress:
         table += f"\nNot finished yet: {'; '.join(map(str, progress))}.\n\n{work_left(progress, root)}\n"
     atomic_write_text(root / f"{SWEEP_NAME}.md", table)
