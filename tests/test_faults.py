@@ -7,6 +7,7 @@ scores and weights of an uninterrupted run. The pauses come from `capt.recipes.t
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -165,6 +166,21 @@ def test_a_killed_sweep_continues_its_interrupted_run_to_the_uninterrupted_resul
         _same_run(_seed_run(out, seed), _seed_run(reference_sweep, seed))
     cell, expected = (json.loads((s / "cb" / "capt" / "results.json").read_text()) for s in (out, reference_sweep))
     assert cell["test"] == expected["test"] and cell["chosen_lr"] == expected["chosen_lr"]
+
+
+def test_a_run_carried_to_another_sessions_folder_resumes_there(reference_sweep, tmp_path):
+    """The study's carry-over (results/<study>/in-flight/, docs/study-mean-norm.md): a grid point killed in one
+    session, its folder committed as git keeps it (no lock, no temporary file), resumes in the next session's sweep
+    under another --output-dir, to the uninterrupted result."""
+    first = tmp_path / "first-session"
+    _capt(tmp_path, first, args=SWEEP, pause="checkpoint@3")  # the grid point, writing its epoch-1 checkpoint
+    carried = tmp_path / "next-session"
+    shutil.copytree(_seed_run(first, 0), _seed_run(carried, 0), ignore=shutil.ignore_patterns(".capt.lock", "*.tmp"))
+    again = _capt(tmp_path, carried, args=SWEEP)
+    assert again.returncode == 0, again.stderr
+    assert "resuming at epoch 1, batch 4 (step 4)" in again.stdout  # from its last whole checkpoint
+    for seed in (0, 1):
+        _same_run(_seed_run(carried, seed), _seed_run(reference_sweep, seed))
 
 
 @pytest.mark.slow  # a variant of the killed sweep the default suite resumes (15 s)
