@@ -114,7 +114,8 @@ class CaptConfig(config_base()):
         default=None,
         metadata={
             "help": "Names of base submodules trained and saved with the capsules (e.g. ['classifier']). "
-            "None: the freshly initialised task head of a classification model ('classifier' or 'score')."
+            "None: the freshly initialised task head of a classification model ('classifier' or 'score', and "
+            "DistilBERT's 'pre_classifier')."
         },
     )
     prompt_method: str | None = field(

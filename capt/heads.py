@@ -19,31 +19,33 @@ from transformers import PreTrainedModel
 
 from .injector import group_rows, run_by_rows
 
-HEAD_NAMES = ("classifier", "score", "qa_outputs")
+# The fresh task heads transformers gives its models: BERT-style `classifier`, decoder `score`, DistilBERT's
+# `pre_classifier` (a randomly initialised layer before its `classifier`), question answering's `qa_outputs`.
+HEAD_NAMES = ("classifier", "score", "pre_classifier", "qa_outputs")
 HEAD_MODEL_SUFFIXES = ("ForSequenceClassification", "ForMultipleChoice", "ForTokenClassification")
 
 
 def resolve_head_names(model: PreTrainedModel, requested: Sequence[str] | None) -> list[str]:
     """The submodules trained and saved with the capsules: `requested`, or the fresh task head of a classifier.
 
-    PEFT adds both usual head names ('classifier', 'score') to every classifier's config, so a missing usual
-    head name is skipped; any other missing name is an error.
+    A requested name selects every module whose dotted name ends with it, PEFT's rule for `modules_to_save`, so
+    both APIs train and save the same modules (PEFT's 'classifier' also selects DistilBERT's 'pre_classifier').
+    PEFT adds the usual head names ('classifier', 'score' and, from PEFT 0.22, 'pre_classifier') to every
+    classifier's config, so a missing usual head name is skipped; any other missing name is an error.
     """
     if requested is None:
         is_head_model = type(model).__name__.endswith(HEAD_MODEL_SUFFIXES)
-        return [name for name in HEAD_NAMES if is_head_model and hasattr(model, name)]
-    present = []
-    for name in dict.fromkeys(requested):
-        try:
-            model.get_submodule(name)
-        except AttributeError as err:
-            if name in HEAD_NAMES:
-                continue
-            raise ValueError(
-                f"CaptConfig.modules_to_save names {name!r}, which {type(model).__name__} does not have"
-            ) from err
-        present.append(name)
-    return present
+        requested = [name for name in HEAD_NAMES if is_head_model and hasattr(model, name)]
+    module_names = [name for name, _ in model.named_modules() if name]
+    selected = set()
+    for name in requested:
+        matches = {module for module in module_names if module.endswith(name)}
+        if not matches and name not in HEAD_NAMES:
+            raise ValueError(f"CaptConfig.modules_to_save names {name!r}, which {type(model).__name__} does not have")
+        selected |= matches
+    # In the model's order, so that equal selections compare equal; a module inside a selected one is trained and
+    # saved with it already.
+    return [name for name in module_names if name in selected and not any(name.startswith(f"{o}.") for o in selected)]
 
 
 class TaskHeads(nn.Module):

@@ -11,14 +11,14 @@ from typing import Any
 
 from torch import nn
 
-# The task heads transformers gives its classifiers (BERT-style `classifier`, decoder `score`).
-HEAD_NAMES = ("classifier", "score")
+from .heads import HEAD_NAMES
+
 # The module under which DePT keeps its low-rank pair (capt.baselines).
 SECONDARY_NAME = "secondary"
 
 
 def is_head(name: str) -> bool:
-    """Whether a parameter name belongs to a task head (`classifier` or `score` anywhere in its path)."""
+    """Whether a parameter name belongs to a task head (one of `capt.heads.HEAD_NAMES` anywhere in its path)."""
     return any(part in HEAD_NAMES for part in name.split("."))
 
 

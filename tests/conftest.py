@@ -21,6 +21,8 @@ from transformers import (
     BertConfig,
     BertForSequenceClassification,
     BertModel,
+    DistilBertConfig,
+    DistilBertForSequenceClassification,
     GPT2LMHeadModel,
     LlamaForCausalLM,
     Qwen2ForCausalLM,
@@ -45,6 +47,22 @@ def tiny_bert_model():
 
 def tiny_bert_classifier():
     return BertForSequenceClassification(bert_config())
+
+
+def tiny_distilbert_classifier():
+    """DistilBERT's classifier head has two fresh layers, `pre_classifier` then `classifier`."""
+    config = DistilBertConfig(
+        vocab_size=VOCAB,
+        dim=TINY["width"],
+        n_heads=TINY["heads"],
+        n_layers=2,
+        hidden_dim=2 * TINY["width"],
+        max_position_embeddings=64,
+        num_labels=3,
+        dropout=0.0,
+        attention_dropout=0.0,
+    )
+    return DistilBertForSequenceClassification(config)
 
 
 def tiny_roberta_classifier():
@@ -77,6 +95,7 @@ def minilm_classifier():
 BUILDERS = {
     "bert": tiny_bert_model,
     "bert-cls": tiny_bert_classifier,
+    "distilbert-cls": tiny_distilbert_classifier,
     "roberta-cls": tiny_roberta_classifier,
     "t5": tiny_t5,
     "gpt2": tiny_gpt2,

@@ -16,6 +16,7 @@ EXPECTED_CAPSULE_LAYERS = {
     "llama": 3,
     "qwen2": 2,
     "minilm-cls": 6,
+    "distilbert-cls": 2,
 }
 
 

@@ -13,15 +13,16 @@ from safetensors.torch import load_file
 from transformers import Trainer, TrainingArguments
 
 import capt
+from capt.heads import resolve_head_names
 from capt.integrations.peft import CaptTuner, register
 
-TASK_TYPES = {"bert-cls": "SEQ_CLS", "t5": "SEQ_2_SEQ_LM", "llama": "CAUSAL_LM"}
+TASK_TYPES = {"bert-cls": "SEQ_CLS", "distilbert-cls": "SEQ_CLS", "t5": "SEQ_2_SEQ_LM", "llama": "CAUSAL_LM"}
 GREEDY = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
 
 
 def _labelled(name: str) -> dict[str, torch.Tensor]:
     inputs = batch_inputs(name)
-    if name == "bert-cls":
+    if name.endswith("-cls"):
         inputs["labels"] = torch.tensor([0, 2])
     elif name == "llama":
         inputs["labels"] = inputs["input_ids"].masked_fill(torch.arange(6) < 3, -100)
@@ -52,7 +53,7 @@ def test_registration_is_idempotent():
     assert isinstance(capt.CaptConfig(), peft.PeftConfig)
 
 
-@pytest.mark.parametrize("name", ["bert-cls", "t5", "llama"])
+@pytest.mark.parametrize("name", ["bert-cls", "distilbert-cls", "t5", "llama"])
 def test_train_save_and_load_through_peft_give_identical_logits(name, tmp_adapter):
     inputs = _labelled(name)
     model = peft.get_peft_model(build(name), capt.CaptConfig(task_type=TASK_TYPES[name]))
@@ -73,7 +74,7 @@ def test_train_save_and_load_through_peft_give_identical_logits(name, tmp_adapte
     assert torch.equal(_logits(capt.CaptModel.from_pretrained(build(name), tmp_adapter), inputs), expected)
 
 
-@pytest.mark.parametrize("name", ["bert-cls", "llama"])
+@pytest.mark.parametrize("name", ["bert-cls", "distilbert-cls", "llama"])
 def test_an_adapter_saved_by_either_api_loads_in_the_other(name, tmp_path):
     inputs = _labelled(name)
     core = capt.get_capt_model(build(name))
@@ -86,6 +87,27 @@ def test_an_adapter_saved_by_either_api_loads_in_the_other(name, tmp_path):
 
     via_peft.save_pretrained(tmp_path / "peft")
     assert torch.equal(_logits(capt.CaptModel.from_pretrained(build(name), tmp_path / "peft"), inputs), expected)
+
+
+def test_every_fresh_head_layer_trains_at_the_head_rate_and_absent_usual_names_are_skipped():
+    """DistilBERT's randomly initialised `pre_classifier` trains with its `classifier`, in either API, at --head-lr.
+    PEFT 0.22 names `pre_classifier` for every classifier: a BERT classifier, which has none, skips it."""
+    core = capt.get_capt_model(build("distilbert-cls"))
+    via_peft = peft.get_peft_model(build("distilbert-cls"), capt.CaptConfig(task_type="SEQ_CLS"))
+    for model in (core, via_peft):
+        groups = capt.param_groups(model, lr=0.3, head_lr=1e-3)
+        head_group = {id(p) for g in groups if g["lr"] == 1e-3 for p in g["params"]}
+        for layer in ("pre_classifier", "classifier"):
+            trained = [p for n, p in model.named_parameters() if f".{layer}." in n and p.requires_grad]
+            assert len(trained) == 2 and {id(p) for p in trained} <= head_group, (type(model).__name__, layer)
+    peft_022_names = ["classifier", "score", "pre_classifier"]
+    assert resolve_head_names(build("bert-cls"), peft_022_names) == ["classifier"]
+    bert = peft.get_peft_model(build("bert-cls"), capt.CaptConfig(task_type="SEQ_CLS", modules_to_save=peft_022_names))
+    assert {n.split(".")[2] for n, p in bert.named_parameters() if "modules_to_save" in n and p.requires_grad} == {
+        "classifier"
+    }
+    with pytest.raises(ValueError, match="names 'pooler.dense', which"):
+        resolve_head_names(build("distilbert-cls"), ["classifier", "pooler.dense"])
 
 
 @pytest.mark.parametrize(("name", "task_type"), [("llama", "CAUSAL_LM"), ("llama", None), ("t5", None)])
