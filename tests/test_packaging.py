@@ -133,3 +133,14 @@ def test_the_long_description_has_no_relative_links():
     found = list(targets(MarkdownIt("commonmark").parse((REPO / "README.md").read_text())))
     relative = [t for t in found if not t.startswith(("https://", "http://", "mailto:"))]
     assert relative == []
+
+
+def test_no_tracked_file_passes_2_mb():
+    """A clone stays small: weights, checkpoints and data stay out of git (a LoRA study checkpoint is 7.6 MB)."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=False)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    tracked = [REPO / name for name in listed.stdout.decode().split("\0") if name]
+    assert tracked
+    too_large = [str(path.relative_to(REPO)) for path in tracked if path.is_file() and path.stat().st_size > 2**21]
+    assert too_large == []
