@@ -43,9 +43,10 @@ def resolve_head_names(model: PreTrainedModel, requested: Sequence[str] | None) 
         if not matches and name not in HEAD_NAMES:
             raise ValueError(f"CaptConfig.modules_to_save names {name!r}, which {type(model).__name__} does not have")
         selected |= matches
-    # In the model's order, so that equal selections compare equal; a module inside a selected one is trained and
-    # saved with it already.
-    return [name for name in module_names if name in selected and not any(name.startswith(f"{o}.") for o in selected)]
+    # A module inside a selected one is trained and saved with it already.
+    inner = {name for name in selected if any(name.startswith(f"{outer}.") for outer in selected)}
+    # In the model's order, so that equal selections compare equal.
+    return [name for name in module_names if name in selected - inner]
 
 
 class TaskHeads(nn.Module):
