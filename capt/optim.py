@@ -1,8 +1,11 @@
-"""Optimizer parameter groups for an adapted model: its capsules, a trained task head and DePT's low-rank pair
+"""Optimizer parameter groups for an adapted model: its capsules, its trained task heads and DePT's low-rank pair
 each take their own learning rate (the `capt train` command's `--lr`, `--head-lr`, `--lr-secondary`).
 
-One rule, read from parameter names, serves `CaptModel`, CaPT through PEFT and PEFT's own methods (a head that
-PEFT wraps keeps its name in the path: `base_model.model.classifier.modules_to_save.default.weight`).
+One rule serves `CaptModel`, CaPT through PEFT and PEFT's own methods. A head is every module the adapter trains
+whole (`modules_to_save`: the fresh task head, or any module the user names, such as `pooler.dense` or `lm_head`),
+plus a bare fresh head that a method trains in place (one of `capt.heads.HEAD_NAMES`). PEFT's copies carry
+`modules_to_save` in their parameter names (`base_model.model.classifier.modules_to_save.default.weight`);
+`CaptModel` installs its copies where the originals were, so they are found through its `TaskHeads`.
 """
 
 from __future__ import annotations
@@ -11,15 +14,28 @@ from typing import Any
 
 from torch import nn
 
-from .heads import HEAD_NAMES
+from .heads import HEAD_NAMES, TaskHeads
 
 # The module under which DePT keeps its low-rank pair (capt.baselines).
 SECONDARY_NAME = "secondary"
 
 
 def is_head(name: str) -> bool:
-    """Whether a parameter name belongs to a task head (one of `capt.heads.HEAD_NAMES` anywhere in its path)."""
-    return any(part in HEAD_NAMES for part in name.split("."))
+    """Whether a parameter name belongs to a task head: a copy PEFT trains (`modules_to_save` in its path) or a fresh
+    head trained in place (one of `capt.heads.HEAD_NAMES` in its path)."""
+    parts = name.split(".")
+    return "modules_to_save" in parts or any(part in HEAD_NAMES for part in parts)
+
+
+def _capt_head_parameters(model: nn.Module) -> set[int]:
+    """The ids of the parameters of every head copy a `CaptModel` trains (installed, or stored for another adapter),
+    whatever the module is called: `CaptModel` puts its copies where the originals were, under their own names."""
+    ids = set()
+    for module in model.modules():
+        if isinstance(module, TaskHeads):
+            installed = [param for head in module.installed().values() for param in head.parameters()]
+            ids |= {id(param) for param in [*installed, *module.stored.parameters()]}
+    return ids
 
 
 def is_secondary(name: str) -> bool:
@@ -31,8 +47,8 @@ def param_groups(
     model: nn.Module, lr: float, head_lr: float | None = None, secondary_lr: float | None = None
 ) -> list[dict[str, Any]]:
     """The trainable parameters of `model` as optimizer groups: the capsules (and any other adapter weights) at
-    `lr`, a task head at `head_lr`, DePT's low-rank pair at `secondary_lr` (each None: `lr`). Parameters that share
-    a rate share a group; frozen ones are left out.
+    `lr`, the task heads and every other module trained whole (`modules_to_save`) at `head_lr`, DePT's low-rank pair
+    at `secondary_lr` (each None: `lr`). Parameters that share a rate share a group; frozen ones are left out.
 
     Example:
         >>> import capt, torch
@@ -47,7 +63,9 @@ def param_groups(
     """
     head_lr, secondary_lr = (lr if rate is None else rate for rate in (head_lr, secondary_lr))
     rates: dict[float, list[nn.Parameter]] = {rate: [] for rate in (lr, secondary_lr, head_lr)}  # groups in order
+    capt_heads = _capt_head_parameters(model)
     for name, param in model.named_parameters():
         if param.requires_grad:
-            rates[head_lr if is_head(name) else secondary_lr if is_secondary(name) else lr].append(param)
+            head = is_head(name) or id(param) in capt_heads
+            rates[head_lr if head else secondary_lr if is_secondary(name) else lr].append(param)
     return [{"params": params, "lr": rate} for rate, params in rates.items() if params]

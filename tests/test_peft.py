@@ -110,6 +110,22 @@ def test_every_fresh_head_layer_trains_at_the_head_rate_and_absent_usual_names_a
         resolve_head_names(build("distilbert-cls"), ["classifier", "pooler.dense"])
 
 
+def test_every_module_trained_whole_takes_the_head_rate_whatever_its_name():
+    """A module the user adds to `modules_to_save` (`pooler.dense`) trains whole, like the head, so it takes
+    --head-lr in either API, for the active adapter and a stored one. Before, only the usual head names did, and the
+    pooler trained at the capsules' rate."""
+    config = {"modules_to_save": ["classifier", "pooler.dense"]}
+    core = capt.get_capt_model(build("bert-cls"), capt.CaptConfig(**config))
+    core.add_adapter("other", capt.CaptConfig(**config))
+    via_peft = peft.get_peft_model(build("bert-cls"), capt.CaptConfig(task_type="SEQ_CLS", **config))
+    for model in (core, via_peft):
+        trainable = {n: id(p) for n, p in model.named_parameters() if p.requires_grad}
+        whole = {i for n, i in trainable.items() if "pooler" in n or "classifier" in n}
+        by_rate = {g["lr"]: {id(p) for p in g["params"]} for g in capt.param_groups(model, lr=0.3, head_lr=1e-3)}
+        assert by_rate == {1e-3: whole, 0.3: set(trainable.values()) - whole}, type(model).__name__
+        assert len(whole) == (8 if model is core else 4)  # weight and bias of two modules, per adapter
+
+
 @pytest.mark.parametrize(("name", "task_type"), [("llama", "CAUSAL_LM"), ("llama", None), ("t5", None)])
 def test_peft_generation_with_cache_equals_the_core(name, task_type):
     core = capt.get_capt_model(build(name))
