@@ -82,6 +82,12 @@ class TaskHeads(nn.Module):
         """The active adapter's heads, by dotted name."""
         return {name: self.base_model.get_submodule(name) for name in self.names}
 
+    def trained_parameters(self) -> list[nn.Parameter]:
+        """The parameters of every adapter's head copies: the active adapter's, installed in the model under the
+        original modules' names, and the stored ones of the others."""
+        installed = [param for head in self.installed().values() for param in head.parameters()]
+        return [*installed, *self.stored.parameters()]
+
     def of(self, adapter_name: str, active: bool) -> dict[str, nn.Module]:
         """An adapter's heads, by dotted name."""
         if active:

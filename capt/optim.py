@@ -30,12 +30,8 @@ def is_head(name: str) -> bool:
 def _capt_head_parameters(model: nn.Module) -> set[int]:
     """The ids of the parameters of every head copy a `CaptModel` trains (installed, or stored for another adapter),
     whatever the module is called: `CaptModel` puts its copies where the originals were, under their own names."""
-    ids = set()
-    for module in model.modules():
-        if isinstance(module, TaskHeads):
-            installed = [param for head in module.installed().values() for param in head.parameters()]
-            ids |= {id(param) for param in [*installed, *module.stored.parameters()]}
-    return ids
+    heads = (module for module in model.modules() if isinstance(module, TaskHeads))
+    return {id(param) for module in heads for param in module.trained_parameters()}
 
 
 def is_secondary(name: str) -> bool:
